@@ -1,0 +1,133 @@
+"""Sampling parameters for text generation (torch-free).
+
+Field names, defaults and meanings follow vLLM's ``SamplingParams``. Every value a user
+controls is validated here and an out-of-range value raises ``ValueError`` naming the field
+and the allowed range.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+_SAMPLING_EPS = 1e-5
+
+
+class RequestOutputKind(IntEnum):
+    """How outputs are reported while a request runs (vLLM's names)."""
+
+    CUMULATIVE = 0  # every output carries everything generated so far
+    DELTA = 1  # every output carries only what is new since the last one
+    FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the next tokens of one request."""
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled in by the engine, not by users.
+    all_stop_token_ids: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        self.output_kind = RequestOutputKind(self.output_kind)
+        self._verify()
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the other sampling knobs have no effect, normalise them away.
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+        self.all_stop_token_ids = set(self.stop_token_ids)
+
+    # ------------------------------------------------------------------ validation
+    def _verify(self) -> None:
+        _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
+        if self.best_of is not None:
+            _check(self.best_of >= self.n, "best_of", self.best_of, f">= n ({self.n})")
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "[-2, 2]")
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
+        _check(0.0 < self.repetition_penalty <= 2.0 * 1e9, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
+        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
+        if self.max_tokens is not None:
+            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                _check(isinstance(value, int) and value >= 0, name, value, "None or an integer >= 0")
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "non-negative integers")
+        if self.logit_bias:
+            bad = [v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0]
+            _check(not bad, "logit_bias", bad, "values in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids, "a non-empty list")
+        if self.stop and not self.detokenize:
+            raise ValueError("stop strings need detokenize=True; use stop_token_ids instead")
+
+    def verify_vocab(self, vocab_size: int) -> None:
+        """Check the token ids a user passed against the model's vocabulary."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            ids = getattr(self, name) or []
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            _check(not bad, name, bad, f"token ids in [0, {vocab_size})")
+        bad = [t for t in (self.logit_bias or {}) if not 0 <= t < vocab_size]
+        _check(not bad, "logit_bias", bad, f"token ids in [0, {vocab_size})")
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def sampling_type_greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        new = copy.deepcopy(self)
+        for key, value in changes.items():
+            setattr(new, key, value)
+        return new
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name} must be {allowed}, got {value!r}")
