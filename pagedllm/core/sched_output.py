@@ -1,0 +1,69 @@
+"""What the scheduler tells the workers each step: plain data, no torch.
+
+New requests travel in full once; after that only diffs (new block ids, computed counts).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """First time a request is scheduled: everything the worker needs to keep its own copy."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the worker already knows, column-wise."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # True: the request was preempted and comes back; ``new_block_ids`` is its whole new table.
+    resumed_from_preemption: list[bool] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+    def add(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed_tokens: int) -> None:
+        self.req_ids.append(req_id)
+        self.resumed_from_preemption.append(resumed)
+        self.new_block_ids.append(new_block_ids)
+        self.num_computed_tokens.append(num_computed_tokens)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    # req_id -> tokens to compute this step; iteration order is the batch order.
+    num_scheduled_tokens: dict[str, int]
+    total_num_scheduled_tokens: int
+    # Requests that finished or were aborted since the last step: workers drop their state.
+    finished_req_ids: set[str]
+    preempted_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.total_num_scheduled_tokens == 0
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the worker sends back after a step (plain Python data)."""
+
+    # req_id -> tokens sampled this step ([] for a prefill chunk that did not reach the end).
+    sampled_token_ids: dict[str, list[int]]
+    # req_id -> logprobs rows of the sampled tokens (only requests that asked for them).
+    logprobs: dict[str, "LogprobsLists"] = field(default_factory=dict)
+    # req_id -> logprobs of this step's prompt positions (requests with prompt_logprobs).
+    prompt_logprobs: dict[str, "LogprobsLists"] = field(default_factory=dict)
+
+
+from pagedllm.engine.protocol import LogprobsLists  # noqa: E402  (type only; torch-free)

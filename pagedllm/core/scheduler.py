@@ -1,0 +1,260 @@
+"""The scheduler: one rule, no prefill/decode phases (torch-free).
+
+Every request has ``num_tokens`` (prompt + output so far) and ``num_computed_tokens`` (tokens
+whose KV is in the cache). Each step gives requests ``num_new_tokens`` so that computed catches
+up with total, under the token budget and the sequence cap. Running requests go first, then
+waiting ones. When blocks run out the lowest-priority (or, FCFS, the latest) running request
+is preempted: its blocks are freed, its computed count reset, and it goes back to the front.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.core.request_queue import create_request_queue
+from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.kv_cache.block import KVCacheBlock
+from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.request import Request, RequestStatus
+
+
+@dataclass
+class _StepPlan:
+    """What one ``schedule()`` call has decided so far."""
+
+    token_budget: int
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    new_reqs: list[Request] = field(default_factory=list)
+    cached_reqs: list[Request] = field(default_factory=list)
+    resumed: set[str] = field(default_factory=set)
+    new_block_ids: dict[str, list[int]] = field(default_factory=dict)
+    preempted: list[Request] = field(default_factory=list)
+
+    def add(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
+        self.num_scheduled_tokens[request.request_id] = num_tokens
+        self.new_block_ids[request.request_id] = block_ids
+        self.token_budget -= num_tokens
+
+    def drop(self, request: Request) -> None:
+        """Undo ``add`` for a request preempted later in the same step."""
+        self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
+        self.new_block_ids.pop(request.request_id)
+        self.cached_reqs.remove(request)
+
+
+class Scheduler:
+    """Decides, every step, which requests run and how many tokens each computes."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+        self.config = scheduler_config
+        self.max_model_len = scheduler_config.max_model_len
+        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
+                                               enable_caching=cache_config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}
+        self.waiting = create_request_queue(scheduler_config.policy)
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0  # since the last stats snapshot
+
+    # ------------------------------------------------------------------ requests in/out
+    def add_request(self, request: Request) -> None:
+        """Queue a request; it is scheduled from the next step on."""
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> None:
+        """Abort or finish requests from outside the step loop; their blocks return at once."""
+        for req_id in request_ids:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove(request)
+            self._free_request(request, status)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    # ------------------------------------------------------------------ schedule
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: running requests first, then waiting ones."""
+        plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._schedule_running(plan)
+        if not plan.preempted:
+            self._schedule_waiting(plan)
+        output = self._build_output(plan)
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            self.requests[req_id].num_computed_tokens += num_tokens
+        self.finished_req_ids = set()
+        return output
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        index = 0
+        while index < len(self.running) and plan.token_budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            if num_new <= 0:
+                index += 1
+                continue
+            block_ids = self._allocate_or_preempt(request, num_new, plan)
+            if block_ids is None:
+                return  # the request itself was preempted: nothing more fits this step
+            plan.add(request, num_new, block_ids)
+            plan.cached_reqs.append(request)
+            index = self.running.index(request) + 1  # earlier entries may have been preempted
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
+        """Allocate slots, preempting other running requests until they fit."""
+        while True:
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            if block_ids is not None:
+                return block_ids
+            victim = self._pick_victim()
+            if victim.request_id in plan.num_scheduled_tokens:
+                plan.drop(victim)
+            self._preempt(victim)
+            plan.preempted.append(victim)
+            if victim is request:
+                return None
+
+    def _pick_victim(self) -> Request:
+        if self.config.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        while len(self.waiting) and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed_blocks, num_computed = self._lookup_prefix(request)
+            num_new = min(request.num_tokens - num_computed, plan.token_budget)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            if block_ids is None:
+                return  # head-of-line request does not fit; keep the order
+            self.waiting.pop()
+            self._admit(request, num_computed, plan)
+            plan.add(request, num_new, block_ids)
+
+    def _lookup_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed  # reported once: the first admission's hits
+        return blocks, num_computed
+
+    def _admit(self, request: Request, num_computed: int, plan: _StepPlan) -> None:
+        if request.status == RequestStatus.PREEMPTED:
+            plan.resumed.add(request.request_id)
+            plan.cached_reqs.append(request)
+        else:
+            plan.new_reqs.append(request)
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        self.running.append(request)
+
+    def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
+        new_reqs = [
+            NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
+                           plan.new_block_ids[r.request_id], r.num_computed_tokens)
+            for r in plan.new_reqs
+        ]
+        cached = CachedRequestData()
+        for r in plan.cached_reqs:
+            resumed = r.request_id in plan.resumed
+            block_ids = (self.kv_cache_manager.get_block_ids(r.request_id) if resumed
+                         else plan.new_block_ids[r.request_id])
+            cached.add(r.request_id, resumed, block_ids, r.num_computed_tokens)
+        return SchedulerOutput(new_reqs, cached, dict(plan.num_scheduled_tokens),
+                               sum(plan.num_scheduled_tokens.values()), set(self.finished_req_ids),
+                               {r.request_id for r in plan.preempted})
+
+    # ------------------------------------------------------------------ update
+    def update_from_output(self, scheduler_output: SchedulerOutput,
+                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+        """Append sampled tokens, apply stop conditions, free finished requests."""
+        outputs = []
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            new_ids = runner_output.sampled_token_ids.get(req_id, [])
+            new_ids = self._append_and_check_stop(request, new_ids)
+            prompt_lp = runner_output.prompt_logprobs.get(req_id)
+            if not new_ids and prompt_lp is None and not request.is_finished:
+                continue
+            outputs.append(self._make_output(request, new_ids, runner_output, prompt_lp))
+            if request.is_finished:
+                self.running.remove(request)
+                self._free_request(request, request.status)
+        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def _append_and_check_stop(self, request: Request, new_ids: list[int]) -> list[int]:
+        for i, token in enumerate(new_ids):
+            request.append_output_token_ids([token])
+            status = self._check_stop(request, token)
+            if status is not None:
+                request.status = status
+                return new_ids[:i + 1]
+        return new_ids
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if token == request.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.all_stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _make_output(self, request: Request, new_ids: list[int], runner_output: ModelRunnerOutput,
+                     prompt_logprobs) -> EngineCoreOutput:
+        logprobs = runner_output.logprobs.get(request.request_id)
+        if logprobs is not None and len(new_ids) < len(logprobs.sampled_token_ranks):
+            n = len(new_ids)
+            logprobs = type(logprobs)(logprobs.logprob_token_ids[:n], logprobs.logprobs[:n],
+                                      logprobs.sampled_token_ranks[:n])
+        return EngineCoreOutput(request.request_id, new_ids, logprobs, prompt_logprobs,
+                                request.status.finish_reason, request.stop_reason,
+                                max(request.num_cached_tokens, 0))
+
+    def _free_request(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        del self.requests[request.request_id]
+
+    # ------------------------------------------------------------------ stats
+    def make_stats(self) -> SchedulerStats:
+        queries, hits = self.kv_cache_manager.make_prefix_cache_stats()
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
+                               queries, hits, self.num_preemptions)
+        self.num_preemptions = 0
+        return stats
+
+    def check_integrity(self) -> None:
+        """The block pool's invariants hold and no finished request keeps blocks."""
+        self.kv_cache_manager.check_integrity()
+        live = {r.request_id for r in self.running}
+        leaked = [rid for rid in self.kv_cache_manager.req_to_blocks if rid not in live]
+        if leaked and not self.has_unfinished_requests():
+            raise RuntimeError(f"blocks still held by requests that are not running: {leaked}")

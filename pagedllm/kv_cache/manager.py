@@ -1,0 +1,165 @@
+"""KVCacheManager: per-request block tables on top of the BlockPool (torch-free).
+
+The scheduler's view of KV memory. It answers three questions each step: how much of a new
+request's prompt is already cached (``get_computed_blocks``), can a request get the blocks its
+next tokens need (``allocate_slots``, all-or-nothing), and give a finished or preempted
+request's blocks back (``free``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pagedllm.kv_cache.block import KVCacheBlock
+from pagedllm.kv_cache.block_pool import BlockPool
+from pagedllm.kv_cache.hashing import BlockHash, update_request_block_hashes
+
+if TYPE_CHECKING:
+    from pagedllm.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Maps each request id to its block table and keeps its full blocks in the prefix cache."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many leading blocks of each request are already in the prefix cache.
+        self.num_cached_block: dict[str, int] = {}
+        # Prefix-cache stats in tokens, since the last make_prefix_cache_stats() call.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable KV blocks held by requests."""
+        return self.block_pool.get_usage()
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be allocated now (cached free blocks included)."""
+        return self.block_pool.get_num_free_blocks()
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """Longest cached prefix of ``request``: (blocks, num_computed_tokens).
+
+        At least one token is always left to compute, because the model must run on the last
+        token to produce logits for the next one. The blocks are not referenced yet: pass them
+        to ``allocate_slots`` as ``new_computed_blocks``.
+        """
+        if not self.enable_caching:
+            return [], 0
+        update_request_block_hashes(request, self.block_size)
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        blocks = self._find_longest_cache_hit(request.block_hashes[:max_hit_blocks])
+        num_computed_tokens = len(blocks) * self.block_size
+        self.prefix_cache_queries += request.num_tokens
+        self.prefix_cache_hits += num_computed_tokens
+        return blocks, num_computed_tokens
+
+    def _find_longest_cache_hit(self, block_hashes: list[BlockHash]) -> list[KVCacheBlock]:
+        # Hashes are chained, so the first miss ends the prefix: nothing after it can match.
+        blocks = []
+        for block_hash in block_hashes:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def make_prefix_cache_stats(self) -> tuple[int, int]:
+        """(queried tokens, hit tokens) since the last call; resets both counters."""
+        stats = (self.prefix_cache_queries, self.prefix_cache_hits)
+        self.prefix_cache_queries = self.prefix_cache_hits = 0
+        return stats
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVCacheBlock] | None = None,
+                       num_lookahead_tokens: int = 0) -> list[int] | None:
+        """Give ``request`` the blocks for its next ``num_new_tokens`` (+ lookahead) tokens.
+
+        ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (admission
+        only; ``request.num_computed_tokens`` must not include them yet). Returns the ids of the
+        blocks appended to the request's block table, in table order, or None with no state
+        change when the pool cannot supply them.
+        """
+        new_computed = new_computed_blocks or []
+        table = self.req_to_blocks.get(request.request_id, [])
+        assert not (new_computed and table), "prefix hits are only passed on admission"
+        num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
+        num_required = _cdiv(num_computed + num_new_tokens + num_lookahead_tokens,
+                             self.block_size)
+        num_to_allocate = max(0, num_required - len(table) - len(new_computed))
+        if not self._can_allocate(num_to_allocate, new_computed):
+            return None
+        new_blocks = self._append_blocks(request.request_id, new_computed, num_to_allocate)
+        self._cache_full_blocks(request, num_computed + num_new_tokens)
+        return [block.block_id for block in new_blocks]
+
+    def _can_allocate(self, num_to_allocate: int, new_computed: list[KVCacheBlock]) -> bool:
+        # Free prefix-hit blocks sit in the free queue, but touch() is about to take them out,
+        # so they cannot also be handed out as fresh blocks.
+        num_free_hits = sum(1 for block in new_computed if block.ref_cnt == 0)
+        return num_to_allocate <= self.block_pool.get_num_free_blocks() - num_free_hits
+
+    def _append_blocks(self, request_id: str, new_computed: list[KVCacheBlock],
+                       num_to_allocate: int) -> list[KVCacheBlock]:
+        table = self.req_to_blocks.setdefault(request_id, [])
+        # Prefix hits are already in the cache; caching resumes after them.
+        self.num_cached_block.setdefault(request_id, len(new_computed))
+        self.block_pool.touch(new_computed)
+        new_blocks = new_computed + self.block_pool.get_new_blocks(num_to_allocate)
+        table.extend(new_blocks)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        # Index every block that is full once this step's tokens are written. Hashes cover only
+        # all_token_ids, so lookahead / speculative slots are never cached before acceptance.
+        if not self.enable_caching:
+            return
+        update_request_block_hashes(request, self.block_size)
+        table = self.req_to_blocks[request.request_id]
+        num_full = min(num_tokens // self.block_size, len(request.block_hashes), len(table))
+        num_cached = self.num_cached_block[request.request_id]
+        if num_full > num_cached:
+            self.block_pool.cache_full_blocks(table, request.block_hashes, num_cached, num_full)
+            self.num_cached_block[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; a no-op for a request that holds none.
+
+        Tail blocks are freed first so that they are evicted first: a later request sharing
+        this prefix is likelier to need the head blocks.
+        """
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks is not None:
+            self.block_pool.free_blocks(reversed(blocks))
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table as physical block ids (empty if it holds none)."""
+        return [block.block_id for block in self.req_to_blocks.get(request_id, [])]
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every prefix-cache entry; False (nothing done) while any block is in use."""
+        return self.block_pool.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        """Pool invariants, plus: each block's ref_cnt equals the block tables referencing it."""
+        self.block_pool.check_integrity()
+        refs = Counter(block.block_id for blocks in self.req_to_blocks.values()
+                       for block in blocks if not block.is_null)
+        errors = [f"block {b.block_id} has ref_cnt={b.ref_cnt} but {refs[b.block_id]} "
+                  f"block-table references" for b in self.block_pool.blocks[1:]
+                  if b.ref_cnt != refs[b.block_id]]
+        if errors:
+            raise RuntimeError("KV cache manager integrity check failed:\n  " + "\n  ".join(errors))

@@ -1,0 +1,132 @@
+"""Reference attention backend on torch's scaled_dot_product_attention (CPU and any device).
+
+Decodes (one query token each) are batched into one SDPA call over K/V gathered from the
+paged cache; prefill chunks (possibly on top of a cached prefix) run one SDPA call each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.attention.backends.base import AttentionBackend, write_kv
+from pagedllm.layers.attention.metadata import CommonAttentionMetadata
+
+
+@dataclass
+class PrefillSeq:
+    """One request with more than one query token this step."""
+
+    start: int  # first row in the flat batch
+    end: int
+    context_len: int  # tokens already in the cache before this chunk
+    kv_slots: torch.Tensor  # [context_len + query_len] cache slots
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    decode_rows: torch.Tensor | None  # [Bd] rows of single-token queries
+    decode_slots: torch.Tensor | None  # [Bd, Lmax] cache slots, padded
+    decode_seq_lens: torch.Tensor | None  # [Bd]
+    prefills: list[PrefillSeq]
+    num_tokens: int
+    _masks: dict = field(default_factory=dict)  # per sliding window, built on first use
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        key = ("decode", window)
+        if key not in self._masks:
+            self._masks[key] = _decode_mask(self.decode_seq_lens, self.decode_slots.shape[1], window)
+        return self._masks[key]
+
+    def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
+        seq = self.prefills[index]
+        if seq.context_len == 0 and window is None:
+            return None  # plain causal: SDPA's is_causal path
+        key = (index, window)
+        if key not in self._masks:
+            self._masks[key] = _prefill_mask(seq.end - seq.start, seq.context_len, window,
+                                             seq.kv_slots.device)
+        return self._masks[key]
+
+
+def _decode_mask(seq_lens: torch.Tensor, max_len: int, window: int | None) -> torch.Tensor:
+    pos = torch.arange(max_len, device=seq_lens.device)
+    mask = pos[None, :] < seq_lens[:, None]
+    if window is not None:
+        mask &= pos[None, :] >= (seq_lens[:, None] - window)
+    return mask[:, None, None, :]  # [Bd, 1, 1, L]
+
+
+def _prefill_mask(query_len: int, context_len: int, window: int | None, device) -> torch.Tensor:
+    q_pos = torch.arange(query_len, device=device)[:, None] + context_len
+    k_pos = torch.arange(context_len + query_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask
+
+
+def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions 0..length-1 for each row of ``block_table``."""
+    pos = torch.arange(length, device=block_table.device)
+    return block_table[:, pos // block_size] * block_size + pos % block_size
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
+        query_lens = common.query_lens_cpu()
+        decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
+        prefill_idx = [i for i, n in enumerate(query_lens) if n > 1]
+        loc, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
+        device = common.block_table.device
+        decode_rows = decode_slots = decode_lens = None
+        if decode_idx:
+            idx = torch.tensor(decode_idx, device=device)
+            decode_rows = common.query_start_loc[idx]
+            decode_lens = common.seq_lens[idx]
+            max_len = max(seq_lens[i] for i in decode_idx)
+            decode_slots = _slots_for(common.block_table[idx], max_len, common.block_size)
+        prefills = [
+            PrefillSeq(loc[i], loc[i + 1], seq_lens[i] - query_lens[i],
+                       _slots_for(common.block_table[i:i + 1], seq_lens[i], common.block_size)[0])
+            for i in prefill_idx
+        ]
+        return TorchAttentionMetadata(common.slot_mapping, decode_rows, decode_slots, decode_lens,
+                                      prefills, common.num_actual_tokens)
+
+    def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
+        kv_cache = layer.kv_cache
+        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        num_heads, num_kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        q = q.view(-1, num_heads, head_dim)
+        out = torch.empty_like(q)
+        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
+        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        if metadata.decode_rows is not None:
+            self._decode(layer, q, out, key_cache, value_cache, metadata)
+        for i, seq in enumerate(metadata.prefills):
+            keys = key_cache[seq.kv_slots].transpose(0, 1)  # [KVH, L, D]
+            values = value_cache[seq.kv_slots].transpose(0, 1)
+            query = q[seq.start:seq.end].transpose(0, 1)  # [H, Lq, D]
+            mask = metadata.prefill_mask(i, layer.sliding_window)
+            res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
+                                                 scale=layer.scale, enable_gqa=num_heads != num_kv_heads)
+            out[seq.start:seq.end] = res.transpose(0, 1)
+        return out.view(-1, num_heads * head_dim)
+
+    @staticmethod
+    def _decode(layer, q, out, key_cache, value_cache, metadata: TorchAttentionMetadata) -> None:
+        rows = metadata.decode_rows
+        keys = key_cache[metadata.decode_slots].transpose(1, 2)  # [Bd, KVH, L, D]
+        values = value_cache[metadata.decode_slots].transpose(1, 2)
+        query = q[rows].unsqueeze(2)  # [Bd, H, 1, D]
+        res = F.scaled_dot_product_attention(query, keys, values,
+                                             attn_mask=metadata.decode_mask(layer.sliding_window),
+                                             scale=layer.scale,
+                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
+        out[rows] = res.squeeze(2)

@@ -1,0 +1,151 @@
+"""Normalise a Hugging Face ``config.json`` into our own frozen dataclass (torch-free).
+
+Models read only :class:`ModelArchConfig`; nothing past this boundary reads ``transformers``.
+Both the classic spelling (``rope_theta`` + ``rope_scaling``) and transformers 5's
+``rope_parameters`` are accepted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters: ``rope_type`` is default, linear, llama3 or yarn."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn
+    mscale_all_dim: float | None = None  # yarn
+    attention_factor: float | None = None  # yarn
+    partial_rotary_factor: float = 1.0
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    """Everything a decoder-only model file needs to build itself."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    # Per layer: the sliding window in tokens, or None for full attention.
+    sliding_windows: tuple[int | None, ...] = ()
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_key_value_heads * self.head_dim
+
+
+def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
+    """Read ``config.json`` from a model directory with a clear error when it is missing."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"{model_dir!s} is not a Hugging Face model directory: no config.json in it. "
+                         "Pass a local directory that holds config.json, *.safetensors and the tokenizer files.")
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def normalize_hf_config(hf: dict[str, Any]) -> ModelArchConfig:
+    """Map the many spellings of Llama/Mistral/Qwen2/Qwen3 configs onto one dataclass."""
+    hf = dict(hf.get("text_config") or {}, **{k: v for k, v in hf.items() if k != "text_config"})
+    architectures = hf.get("architectures") or []
+    if not architectures:
+        raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to build")
+    heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    head_dim = hf.get("head_dim") or hidden // heads
+    model_type = str(hf.get("model_type", ""))
+    return ModelArchConfig(
+        architecture=architectures[0],
+        model_type=model_type,
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=int(hf["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(hf.get("num_key_value_heads") or heads),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope=_rope_config(hf),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        hidden_act=str(hf.get("hidden_act", "silu")),
+        attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        sliding_windows=_sliding_windows(hf, int(hf["num_hidden_layers"])),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_as_tuple(hf.get("eos_token_id")),
+        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+        extra={k: hf[k] for k in ("sliding_window", "layer_types") if k in hf},
+    )
+
+
+def _as_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else (int(value),)
+
+
+def _rope_config(hf: dict[str, Any]) -> RopeConfig:
+    params = dict(hf.get("rope_scaling") or {})
+    params.update(hf.get("rope_parameters") or {})
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    known = RopeConfig.__dataclass_fields__
+    kwargs = {k: v for k, v in params.items() if k in known and v is not None}
+    if "partial_rotary_factor" in hf:
+        kwargs["partial_rotary_factor"] = hf["partial_rotary_factor"]
+    return RopeConfig(theta=theta, rope_type=rope_type, **kwargs)
+
+
+def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, ...]:
+    window = hf.get("sliding_window")
+    if not window or hf.get("use_sliding_window") is False:
+        return (None,) * num_layers
+    layer_types = hf.get("layer_types")
+    if layer_types:
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    if "max_window_layers" in hf and "use_sliding_window" in hf:
+        # Qwen2 convention: layers at index >= max_window_layers use the window.
+        start = int(hf["max_window_layers"])
+        return tuple(window if i >= start else None for i in range(num_layers))
+    return (int(window),) * num_layers
