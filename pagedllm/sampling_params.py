@@ -8,6 +8,7 @@ and the allowed range.
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
@@ -61,11 +62,13 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
+        if isinstance(self.stop_token_ids, int) or isinstance(self.stop_token_ids, str):
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
         if self.logit_bias is not None:
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = _parse_logit_bias(self.logit_bias)
         self.output_kind = RequestOutputKind(self.output_kind)
         self._verify()
         if self.temperature < _SAMPLING_EPS:
@@ -76,12 +79,18 @@ class SamplingParams:
 
     # ------------------------------------------------------------------ validation
     def _verify(self) -> None:
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs", "seed"):
+            _check(not isinstance(getattr(self, name), bool), name, getattr(self, name), "an integer, not a bool")
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                   name, value, "a finite number")
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         if self.best_of is not None:
             _check(self.best_of >= self.n, "best_of", self.best_of, f">= n ({self.n})")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "[-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
-        _check(0.0 < self.repetition_penalty <= 2.0 * 1e9, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
         _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
@@ -125,7 +134,15 @@ class SamplingParams:
         new = copy.deepcopy(self)
         for key, value in changes.items():
             setattr(new, key, value)
+        new._verify()
         return new
+
+
+def _parse_logit_bias(bias: dict) -> dict[int, float]:
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError, AttributeError):
+        raise ValueError(f"logit_bias must map token ids to numbers, got {bias!r}") from None
 
 
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:

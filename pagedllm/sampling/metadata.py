@@ -1,0 +1,140 @@
+"""Per-step sampling metadata: everything the Sampler needs, as batch tensors.
+
+The model runner builds one ``SamplingMetadata`` per step for the rows it samples (one row
+per request that emits a token this step). ``from_params`` is a plain reference builder; a
+runner that keeps persistent per-slot tensors may fill the fields itself instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.sampling_params import SamplingParams
+
+# Temperatures below this are treated as greedy (matches SamplingParams' normalisation).
+SAMPLING_EPS = 1e-5
+
+
+@dataclass
+class SamplingMetadata:
+    """Batch-level sampling inputs for one step; row i describes the i-th sampled request."""
+
+    temperature: torch.Tensor | None  # [N] float32; 0.0 = greedy row. None when all greedy.
+    all_greedy: bool
+    all_random: bool
+    top_p: torch.Tensor | None  # [N] float32; None if no row uses top-p (< 1)
+    top_k: torch.Tensor | None  # [N] int64, 0 = off for that row; None if no row uses it
+    min_p: torch.Tensor | None  # [N] float32; None if no row uses it
+    generators: dict[int, torch.Generator]  # row -> generator of a seeded request
+    max_num_logprobs: int | None  # None: no row wants logprobs; else max k over rows
+    no_penalties: bool
+    prompt_token_ids: torch.Tensor | None  # [N, max_prompt_len] int64, padded with vocab_size
+    output_token_ids: list[list[int]]  # per row, tokens generated before this step
+    presence_penalties: torch.Tensor  # [N] float32
+    frequency_penalties: torch.Tensor  # [N] float32
+    repetition_penalties: torch.Tensor  # [N] float32
+    min_tokens: dict[int, tuple[int, set[int]]]  # row -> (min_tokens, stop ids incl. EOS)
+    logit_bias: list[dict[int, float] | None]  # per row
+    allowed_token_ids_mask: torch.Tensor | None  # [N, V] bool, True = NOT allowed
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.output_token_ids)
+
+    @classmethod
+    def from_params(
+        cls,
+        params: list[SamplingParams],
+        prompt_token_ids: list[list[int]],
+        output_token_ids: list[list[int]],
+        vocab_size: int,
+        device: torch.device | str = "cpu",
+        generators: dict[int, torch.Generator] | None = None,
+        eos_token_id: int | None = None,
+    ) -> "SamplingMetadata":
+        """Build metadata from one ``SamplingParams`` per row.
+
+        ``generators`` maps row -> the request's own generator; it is passed in rather than
+        created here because it must persist across steps. ``eos_token_id`` is added to the
+        min-tokens stop set unless the request sets ``ignore_eos``.
+        """
+        temps = [p.temperature for p in params]
+        all_greedy = all(t < SAMPLING_EPS for t in temps)
+        no_penalties = all(_no_penalty(p) for p in params)
+        return cls(
+            temperature=None if all_greedy else _f32(temps, device),
+            all_greedy=all_greedy,
+            all_random=all(t >= SAMPLING_EPS for t in temps),
+            top_p=_optional([p.top_p for p in params], 1.0, torch.float32, device),
+            top_k=_optional([p.top_k for p in params], 0, torch.int64, device),
+            min_p=_optional([p.min_p for p in params], 0.0, torch.float32, device),
+            generators=dict(generators or {}),
+            max_num_logprobs=_max_logprobs(params),
+            no_penalties=no_penalties,
+            prompt_token_ids=None if no_penalties else pad_token_ids(prompt_token_ids, vocab_size, device),
+            output_token_ids=[list(t) for t in output_token_ids],
+            presence_penalties=_f32([p.presence_penalty for p in params], device),
+            frequency_penalties=_f32([p.frequency_penalty for p in params], device),
+            repetition_penalties=_f32([p.repetition_penalty for p in params], device),
+            min_tokens=_min_tokens(params, eos_token_id),
+            logit_bias=[p.logit_bias or None for p in params],
+            allowed_token_ids_mask=_allowed_mask(params, vocab_size, device),
+        )
+
+
+def pad_token_ids(token_ids: list[list[int]], vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Stack ragged token lists into [N, max_len] int64, padded with ``vocab_size``.
+
+    The pad id is one past the vocabulary so the penalty ops can scatter it into an
+    extra column and drop it, instead of masking.
+    """
+    width = max((len(t) for t in token_ids), default=0)
+    out = torch.full((len(token_ids), width), vocab_size, dtype=torch.int64)
+    for row, ids in enumerate(token_ids):
+        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    return out.to(device)
+
+
+def _f32(values: list[float], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _optional(values: list, neutral: float, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor | None:
+    """A [N] tensor of ``values``, or None when every row has the neutral (disabled) value."""
+    if all(v == neutral for v in values):
+        return None
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _no_penalty(p: SamplingParams) -> bool:
+    return p.presence_penalty == 0.0 and p.frequency_penalty == 0.0 and p.repetition_penalty == 1.0
+
+
+def _max_logprobs(params: list[SamplingParams]) -> int | None:
+    wanted = [p.logprobs for p in params if p.logprobs is not None]
+    return max(wanted) if wanted else None
+
+
+def _min_tokens(params: list[SamplingParams], eos_token_id: int | None) -> dict[int, tuple[int, set[int]]]:
+    out: dict[int, tuple[int, set[int]]] = {}
+    for row, p in enumerate(params):
+        stops = set(p.all_stop_token_ids)
+        if eos_token_id is not None and not p.ignore_eos:
+            stops.add(eos_token_id)
+        if p.min_tokens > 0 and stops:
+            out[row] = (p.min_tokens, stops)
+    return out
+
+
+def _allowed_mask(params: list[SamplingParams], vocab_size: int, device: torch.device | str) -> torch.Tensor | None:
+    """[N, V] bool with True on tokens a row may NOT sample; None when no row restricts."""
+    if all(p.allowed_token_ids is None for p in params):
+        return None
+    mask = torch.zeros((len(params), vocab_size), dtype=torch.bool)
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            mask[row] = True
+            mask[row, p.allowed_token_ids] = False
+    return mask.to(device)

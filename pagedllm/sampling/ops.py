@@ -1,0 +1,165 @@
+"""Pure tensor ops that turn raw logits into a sampling distribution.
+
+Every op takes ``logits`` of shape [N, V] (float32) plus per-row parameters and returns the
+processed logits. Ops may write into ``logits`` in place (the Sampler hands them its own
+copy), so callers must use the return value and must not rely on the input afterwards.
+Semantics follow vLLM.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_NEG_INF = float("-inf")
+
+
+# --------------------------------------------------------------------------- constraints
+def apply_allowed_token_mask(logits: torch.Tensor, not_allowed: torch.Tensor | None) -> torch.Tensor:
+    """Set tokens outside a row's ``allowed_token_ids`` to -inf (``not_allowed`` True = banned)."""
+    if not_allowed is None:
+        return logits
+    return logits.masked_fill_(not_allowed, _NEG_INF)
+
+
+def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> torch.Tensor:
+    """Add each row's ``{token_id: bias}`` to its logits in one scatter."""
+    rows, cols, vals = [], [], []
+    for row, bias in enumerate(logit_bias):
+        for token_id, value in (bias or {}).items():
+            rows.append(row)
+            cols.append(token_id)
+            vals.append(value)
+    if not rows:
+        return logits
+    index = _index(rows, cols, logits.device)
+    values = torch.tensor(vals, dtype=logits.dtype, device=logits.device)
+    return logits.index_put_(index, values, accumulate=True)
+
+
+def apply_min_tokens(
+    logits: torch.Tensor,
+    output_token_ids: list[list[int]],
+    min_tokens: dict[int, tuple[int, set[int]]],
+) -> torch.Tensor:
+    """Ban stop tokens (incl. EOS) for rows that have generated fewer than ``min_tokens``."""
+    rows, cols = [], []
+    for row, (minimum, stop_ids) in min_tokens.items():
+        if len(output_token_ids[row]) < minimum:
+            rows.extend([row] * len(stop_ids))
+            cols.extend(stop_ids)
+    if not rows:
+        return logits
+    return logits.index_put_(_index(rows, cols, logits.device), torch.tensor(_NEG_INF, device=logits.device))
+
+
+def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return (
+        torch.tensor(rows, dtype=torch.int64, device=device),
+        torch.tensor(cols, dtype=torch.int64, device=device),
+    )
+
+
+# --------------------------------------------------------------------------- penalties
+def token_bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per-row occurrence counts [N, V] of ``token_ids`` [N, L] padded with ``vocab_size``.
+
+    The pad id lands in an extra column that is dropped, so padding needs no mask.
+    """
+    counts = torch.zeros((token_ids.shape[0], vocab_size + 1), dtype=torch.int64, device=token_ids.device)
+    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
+    return counts[:, :vocab_size]
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    prompt_token_ids: torch.Tensor | None,
+    output_token_ids: torch.Tensor,
+    presence_penalties: torch.Tensor,
+    frequency_penalties: torch.Tensor,
+    repetition_penalties: torch.Tensor,
+) -> torch.Tensor:
+    """Apply repetition, frequency and presence penalties (vLLM/HF semantics).
+
+    Repetition covers tokens seen in the prompt or the output; frequency and presence
+    count the output only. Token tensors are [N, L] int64 padded with vocab_size.
+    """
+    vocab_size = logits.shape[1]
+    output_counts = token_bin_counts(output_token_ids, vocab_size)
+    seen = output_counts > 0
+    if prompt_token_ids is not None:
+        seen |= token_bin_counts(prompt_token_ids, vocab_size) > 0
+    logits = apply_repetition_penalty(logits, seen, repetition_penalties)
+    logits -= frequency_penalties.unsqueeze(1) * output_counts
+    logits -= presence_penalties.unsqueeze(1) * (output_counts > 0)
+    return logits
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
+    """Push seen tokens toward 'less likely': divide positive logits, multiply the others.
+
+    A plain division would make negative logits *more* likely, hence the sign split.
+    """
+    scale = torch.where(seen, penalties.unsqueeze(1), 1.0)
+    return torch.where(logits > 0, logits / scale, logits * scale)
+
+
+# --------------------------------------------------------------------------- random-path ops
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    """Divide each row by its temperature; greedy rows (temp ~0) are left as is.
+
+    Greedy rows are resolved by argmax elsewhere; dividing them by 0 would only make NaNs.
+    """
+    safe = torch.where(temperature < eps, 1.0, temperature)
+    return logits.div_(safe.unsqueeze(1))
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask tokens outside each row's top-k and top-p nucleus; keeps at least one token.
+
+    Sort-based so both filters share one sort. ``top_k`` 0 means off; ties at the k-th
+    value are all kept, as in vLLM.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        sorted_logits = _mask_top_k_sorted(sorted_logits, top_k)
+    if top_p is not None:
+        sorted_logits = _mask_top_p_sorted(sorted_logits, top_p)
+    return logits.scatter_(-1, order, sorted_logits)
+
+
+def _mask_top_k_sorted(sorted_logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    vocab_size = sorted_logits.shape[1]
+    k = torch.where(top_k <= 0, vocab_size, top_k).clamp(max=vocab_size).to(torch.int64)
+    # Ascending order: the k-th largest value sits at column V - k.
+    threshold = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+    return sorted_logits.masked_fill_(sorted_logits < threshold, _NEG_INF)
+
+
+def _mask_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop the low tail whose total mass is at most 1 - p; the best token always stays.
+    drop = cumulative <= 1 - top_p.unsqueeze(1)
+    drop[:, -1] = False
+    return sorted_logits.masked_fill_(drop, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below ``min_p * max_prob`` of their row."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill_(probs < threshold, _NEG_INF)
+
+
+def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """Draw one token per row with the exponential race: argmax(probs / Exp(1) noise).
+
+    Equivalent to multinomial sampling, but every row uses exactly one V-sized draw, so
+    a seeded row redrawn from its own generator gets the same token whatever else is in
+    the batch. Modifies ``probs`` in place.
+    """
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return probs.div_(noise).argmax(dim=-1)

@@ -1,0 +1,178 @@
+"""Sampling ops against hand-computed expectations on tiny tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from pagedllm.sampling import ops, pad_token_ids
+
+INF = float("inf")
+
+
+def _probs_logits(probs: list[float]) -> torch.Tensor:
+    return torch.tensor([probs]).log()
+
+
+# --------------------------------------------------------------------------- penalties
+def _penalise(logits, prompt, output, pres=0.0, freq=0.0, rep=1.0):
+    n, v = logits.shape
+    return ops.apply_penalties(
+        logits.clone(),
+        pad_token_ids(prompt, v),
+        pad_token_ids(output, v),
+        torch.full((n,), pres),
+        torch.full((n,), freq),
+        torch.full((n,), rep),
+    )
+
+
+LOGITS = torch.tensor([[2.0, -1.0, 0.5, -2.0, 1.0, 0.0]])
+
+
+def test_repetition_penalty_divides_positive_multiplies_negative() -> None:
+    # Seen: 0, 1 (prompt) and 2, 3 (output). 4 and 5 are untouched.
+    out = _penalise(LOGITS, [[0, 1]], [[2, 2, 3]], rep=2.0)
+    assert out.tolist() == [[1.0, -2.0, 0.25, -4.0, 1.0, 0.0]]
+
+
+def test_repetition_penalty_below_one_boosts_seen_tokens() -> None:
+    out = _penalise(LOGITS, [[0]], [[1]], rep=0.5)
+    assert out.tolist() == [[4.0, -0.5, 0.5, -2.0, 1.0, 0.0]]
+
+
+def test_frequency_penalty_counts_output_only() -> None:
+    # Prompt tokens are not counted; token 2 appears twice in the output, token 3 once.
+    out = _penalise(LOGITS, [[0, 4]], [[2, 2, 3]], freq=0.5)
+    assert out.tolist() == [[2.0, -1.0, -0.5, -2.5, 1.0, 0.0]]
+
+
+def test_presence_penalty_is_per_distinct_output_token() -> None:
+    out = _penalise(LOGITS, [[0]], [[2, 2, 3]], pres=0.25)
+    assert out.tolist() == [[2.0, -1.0, 0.25, -2.25, 1.0, 0.0]]
+
+
+def test_all_penalties_combined_and_rows_independent() -> None:
+    logits = torch.cat([LOGITS, LOGITS])
+    v = logits.shape[1]
+    out = ops.apply_penalties(
+        logits.clone(),
+        pad_token_ids([[0, 1], [5]], v),  # ragged: row 1 padded with vocab_size
+        pad_token_ids([[2, 2, 3], []], v),
+        torch.tensor([0.25, 0.0]),
+        torch.tensor([0.5, 0.0]),
+        torch.tensor([2.0, 1.0]),
+    )
+    # rep: 0 -> 1.0, 1 -> -2.0, 2 -> 0.25, 3 -> -4.0; freq: 2 -= 1.0, 3 -= 0.5; pres: 2, 3 -= 0.25
+    assert out[0].tolist() == [1.0, -2.0, -1.0, -4.75, 1.0, 0.0]
+    assert out[1].tolist() == LOGITS[0].tolist()
+
+
+def test_penalties_without_prompt_tensor() -> None:
+    out = ops.apply_penalties(
+        LOGITS.clone(), None, pad_token_ids([[0]], 6), torch.zeros(1), torch.zeros(1), torch.tensor([2.0])
+    )
+    assert out.tolist() == [[1.0, -1.0, 0.5, -2.0, 1.0, 0.0]]
+
+
+def test_token_bin_counts_drops_padding() -> None:
+    counts = ops.token_bin_counts(pad_token_ids([[1, 1, 3], [], [0]], 4), 4)
+    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+
+
+# --------------------------------------------------------------------------- constraints
+def test_logit_bias_adds_per_row() -> None:
+    out = ops.apply_logit_bias(torch.ones(3, 6), [{1: 2.5, 4: -100.0}, None, {0: -1.0}])
+    assert out.tolist() == [
+        [1.0, 3.5, 1.0, 1.0, -99.0, 1.0],
+        [1.0] * 6,
+        [0.0, 1.0, 1.0, 1.0, 1.0, 1.0],
+    ]
+
+
+def test_logit_bias_none_everywhere_is_noop() -> None:
+    logits = torch.ones(2, 6)
+    assert ops.apply_logit_bias(logits, [None, {}]).tolist() == [[1.0] * 6] * 2
+
+
+def test_allowed_token_mask_bans_the_rest() -> None:
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    mask[0, [1, 3]] = False
+    mask[1] = False  # row 1 unrestricted
+    out = ops.apply_allowed_token_mask(torch.zeros(2, 6), mask)
+    assert out.tolist() == [[-INF, 0.0, -INF, 0.0, -INF, -INF], [0.0] * 6]
+    assert ops.apply_allowed_token_mask(torch.zeros(1, 6), None).tolist() == [[0.0] * 6]
+
+
+def test_min_tokens_blocks_stop_ids_until_reached() -> None:
+    rules = {0: (2, {5, 3}), 1: (2, {5}), 2: (1, {0})}
+    out = ops.apply_min_tokens(torch.zeros(3, 6), [[1], [1, 2], []], rules)
+    # Row 0 has 1 < 2 tokens: blocked. Row 1 reached 2: released. Row 2 has 0 < 1: blocked.
+    assert out.tolist() == [
+        [0.0, 0.0, 0.0, -INF, 0.0, -INF],
+        [0.0] * 6,
+        [-INF, 0.0, 0.0, 0.0, 0.0, 0.0],
+    ]
+
+
+# --------------------------------------------------------------------------- temperature / top-k / top-p / min-p
+def test_temperature_divides_random_rows_and_leaves_greedy_rows() -> None:
+    out = ops.apply_temperature(torch.tensor([[2.0, -4.0], [2.0, -4.0]]), torch.tensor([0.5, 0.0]))
+    assert out.tolist() == [[4.0, -8.0], [2.0, -4.0]]
+
+
+def test_top_k_keeps_k_largest_and_zero_disables() -> None:
+    logits = torch.tensor([[1.0, 5.0, 3.0, 2.0, 4.0]] * 3)
+    out = ops.apply_top_k_top_p(logits.clone(), torch.tensor([2, 0, 99]), None)
+    assert out[0].tolist() == [-INF, 5.0, -INF, -INF, 4.0]
+    assert out[1].tolist() == logits[1].tolist()  # 0 = off
+    assert out[2].tolist() == logits[2].tolist()  # k > V clamps to V
+
+
+@pytest.mark.parametrize("p, kept", [(0.75, [0, 1]), (0.85, [0, 1, 2]), (1.0, [0, 1, 2, 3]), (1e-6, [0])])
+def test_top_p_keeps_smallest_nucleus(p: float, kept: list[int]) -> None:
+    # Sorted ascending: 0.05, 0.15, 0.3, 0.5 -> cumsum 0.05, 0.2, 0.5, 1.0; drop tail mass <= 1 - p.
+    logits = _probs_logits([0.5, 0.3, 0.15, 0.05])
+    out = ops.apply_top_k_top_p(logits.clone(), None, torch.tensor([p]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == kept
+
+
+def test_top_k_and_top_p_keep_at_least_one_token() -> None:
+    uniform = torch.zeros(2, 8)
+    out = ops.apply_top_k_top_p(uniform.clone(), None, torch.tensor([1e-9, 1e-9]))
+    assert torch.isfinite(out).sum(dim=-1).tolist() == [1, 1]
+    out = ops.apply_top_k_top_p(torch.randn(2, 8), torch.tensor([1, 1]), torch.tensor([1e-9, 1e-9]))
+    assert torch.isfinite(out).sum(dim=-1).tolist() == [1, 1]
+
+
+def test_top_k_and_top_p_together_per_row() -> None:
+    logits = _probs_logits([0.4, 0.3, 0.2, 0.1]).repeat(2, 1)
+    # Row 0: top-k 3 then nucleus 0.6 of the renormalised rest; row 1: only top-k 2.
+    out = ops.apply_top_k_top_p(logits.clone(), torch.tensor([3, 2]), torch.tensor([0.6, 1.0]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [0, 1]
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [0, 1]
+    assert out[0, 0].item() == pytest.approx(math.log(0.4))  # kept values are unchanged
+
+
+@pytest.mark.parametrize("min_p, kept", [(0.0, [0, 1, 2, 3]), (0.2, [0, 1, 2]), (0.5, [0, 1]), (1.0, [0])])
+def test_min_p_drops_tokens_below_fraction_of_max(min_p: float, kept: list[int]) -> None:
+    # Thresholds: 0.2 * 0.5 = 0.1 (drops 0.05); 0.5 * 0.5 = 0.25 (drops 0.15 too).
+    logits = _probs_logits([0.5, 0.3, 0.15, 0.05])
+    out = ops.apply_min_p(logits.clone(), torch.tensor([min_p]))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == kept
+
+
+def test_random_sample_never_picks_zero_probability() -> None:
+    probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]]).repeat(1000, 1)
+    tokens = ops.random_sample(probs, {})
+    assert set(tokens.tolist()) == {1, 3}
+
+
+def test_random_sample_seeded_row_uses_only_its_generator() -> None:
+    probs = torch.full((3, 50), 1 / 50)
+    first = ops.random_sample(probs.clone(), {1: torch.Generator().manual_seed(3)})
+    torch.manual_seed(1234)  # change the global stream: the seeded row must not care
+    second = ops.random_sample(probs.clone(), {1: torch.Generator().manual_seed(3)})
+    assert first[1].item() == second[1].item()
