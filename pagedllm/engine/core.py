@@ -1,0 +1,56 @@
+"""EngineCore: the step loop — schedule, execute, update. Runs in-process or in its own process."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class EngineCore:
+    """Owns the scheduler (and through it the KV manager) and the executor."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from pagedllm.executor.uniproc import UniProcExecutor
+
+        start = time.perf_counter()
+        self.config = config
+        self.executor = UniProcExecutor(config)
+        self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(self.num_blocks)
+        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.startup_seconds = time.perf_counter() - start
+        logger.info("engine ready in %.1f s: %s", self.startup_seconds, self.capacity_summary())
+
+    def capacity_summary(self) -> str:
+        bs = self.config.cache_config.block_size
+        usable = self.num_blocks - 1
+        per_req = self.config.blocks_per_max_len_request()
+        return (f"{usable} KV blocks of {bs} tokens = {usable * bs} tokens; "
+                f"{usable // per_req} requests of max_model_len={self.config.model_config.max_model_len} fit")
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.scheduler.add_request(Request.from_engine_core_request(request))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> EngineCoreOutputs:
+        """One iteration: plan, run the model, apply the results."""
+        if not self.scheduler.has_unfinished_requests():
+            return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
+        sched = self.scheduler.schedule()
+        runner_output = self.executor.execute_model(sched)
+        return self.scheduler.update_from_output(sched, runner_output)
+
+    def check_integrity(self) -> None:
+        self.scheduler.check_integrity()

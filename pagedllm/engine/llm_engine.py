@@ -1,0 +1,74 @@
+"""LLMEngine: the synchronous front end (input processing, output processing) around an EngineCore."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.core import EngineCore
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+
+class LLMEngine:
+    """Runs the engine core in this process; ``step()`` returns finished and partial outputs."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.engine_core = EngineCore(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args.create_engine_config())
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+        """Validate, tokenize and queue one request (n > 1 fans out into n child requests)."""
+        if priority and self.config.scheduler_config.policy != "priority":
+            raise ValueError("priority is only honoured with scheduling_policy='priority'")
+        request, text = self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt)
+        if params.n == 1:
+            self._add(request, text)
+            return
+        parent = ParentRequest(request_id, params.n, params.output_kind, text, request.prompt_token_ids,
+                               request.arrival_time)
+        for index in range(params.n):
+            self._add(ParentRequest.child_request(request, index), text, parent, index)
+
+    def _add(self, request, text: str | None, parent: ParentRequest | None = None, index: int = 0) -> None:
+        self.output_processor.add_request(request, text, parent, index)
+        self.engine_core.add_request(request)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        ids = self.output_processor.abort_requests(request_ids)
+        self.engine_core.abort_requests(ids)
+
+    def step(self) -> list[RequestOutput]:
+        core_outputs = self.engine_core.step()
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        if processed.reqs_to_abort:
+            self.engine_core.abort_requests(processed.reqs_to_abort)
+        return processed.request_outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.output_processor.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.output_processor.get_num_unfinished_requests()
+
+    def check_integrity(self) -> None:
+        self.engine_core.check_integrity()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer

@@ -1,0 +1,101 @@
+"""What the engine hands back to users: ``RequestOutput`` and its parts (vLLM's shapes).
+
+These are plain dataclasses built by the front end's ``OutputProcessor``; nothing here knows
+about tokenizers, the engine core or torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+
+@dataclass
+class Logprob:
+    """The log probability of one token at one position."""
+
+    logprob: float
+    rank: int | None = None  # 1 = the most likely token at this position
+    decoded_token: str | None = None  # None when the request asked for no detokenization
+
+
+# One dict per generated token: {token_id: Logprob} for the sampled token and the top-k.
+SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token; the first is None (nothing predicts the first token).
+PromptLogprobs = list[dict[int, Logprob] | None]
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (a request with ``n > 1`` has several)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None  # None unless logprobs were requested
+    logprobs: SampleLogprobs | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort"; None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def __repr__(self) -> str:
+        return (
+            f"CompletionOutput(index={self.index}, text={self.text!r}, "
+            f"token_ids={_short(self.token_ids)}, cumulative_logprob={self.cumulative_logprob}, "
+            f"logprobs={_short(self.logprobs)}, finish_reason={self.finish_reason!r}, "
+            f"stop_reason={self.stop_reason!r})"
+        )
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps of one request, all ``time.monotonic()`` values; None until known."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def e2e_latency(self) -> float | None:
+        if self.finished_time is None:
+            return None
+        return self.finished_time - self.arrival_time
+
+
+@dataclass
+class RequestOutput:
+    """Everything reported for one request at one point in time."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=0.0))
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    def __repr__(self) -> str:
+        return (
+            f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+            f"prompt_token_ids={_short(self.prompt_token_ids)}, "
+            f"prompt_logprobs={_short(self.prompt_logprobs)}, outputs={self.outputs!r}, "
+            f"finished={self.finished}, num_cached_tokens={self.num_cached_tokens})"
+        )
+
+
+def _short(items: Sequence | None, limit: int = 8) -> str:
+    """A list's repr, cut after ``limit`` items so long prompts don't flood a log line."""
+    if items is None or len(items) <= limit:
+        return repr(items)
+    head = ", ".join(repr(x) for x in items[:limit])
+    return f"[{head}, ... ({len(items)} total)]"
