@@ -1,0 +1,58 @@
+"""Shared pytest fixtures. Append new fixtures in their own section below."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# No hub access exists here or in CI: fail fast instead of trying the network.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# --- tiny random-weight HF models (the correctness oracle) ---------------------------------------
+
+TinyModelFactory = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """`tiny_model_dir(arch, **kw)` -> dir of a tiny HF model; built once per session per kwargs."""
+    from pagedllm.models.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "llama", **kw: Any) -> Path:
+        key = f"{arch}-{hashlib.sha1(repr(sorted(kw.items())).encode()).hexdigest()[:12]}"
+        if key not in built:
+            built[key] = build_tiny_model(root / key, arch, **kw)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_model_dir(tiny_model_dir: TinyModelFactory) -> Path:
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="session")
+def mistral_model_dir(tiny_model_dir: TinyModelFactory) -> Path:
+    return tiny_model_dir("mistral", sliding_window=32, max_position_embeddings=512)
+
+
+@pytest.fixture(scope="session")
+def qwen2_model_dir(tiny_model_dir: TinyModelFactory) -> Path:
+    return tiny_model_dir("qwen2")
+
+
+@pytest.fixture(scope="session")
+def qwen3_model_dir(tiny_model_dir: TinyModelFactory) -> Path:
+    return tiny_model_dir("qwen3")
