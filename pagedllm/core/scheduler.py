@@ -58,6 +58,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0  # since the last stats snapshot
+        self.total_preemptions = 0
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(self, request: Request) -> None:
@@ -97,19 +98,21 @@ class Scheduler:
         return output
 
     def _schedule_running(self, plan: _StepPlan) -> None:
-        index = 0
-        while index < len(self.running) and plan.token_budget > 0:
-            request = self.running[index]
+        # A snapshot: preemption removes entries from self.running as we go.
+        for request in list(self.running):
+            if plan.token_budget <= 0:
+                return
+            if request.status != RequestStatus.RUNNING:
+                continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
             if num_new <= 0:
-                index += 1
                 continue
+            # None: the request preempted itself. Under FCFS it was the last one; under the
+            # priority policy the requests after it outrank it and may still fit.
             block_ids = self._allocate_or_preempt(request, num_new, plan)
-            if block_ids is None:
-                return  # the request itself was preempted: nothing more fits this step
-            plan.add(request, num_new, block_ids)
-            plan.cached_reqs.append(request)
-            index = self.running.index(request) + 1  # earlier entries may have been preempted
+            if block_ids is not None:
+                plan.add(request, num_new, block_ids)
+                plan.cached_reqs.append(request)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
         """Allocate slots, preempting other running requests until they fit."""
@@ -137,6 +140,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
+        self.total_preemptions += 1
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, plan: _StepPlan) -> None:
@@ -152,9 +156,10 @@ class Scheduler:
             plan.add(request, num_new, block_ids)
 
     def _lookup_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-        if request.num_cached_tokens < 0:
-            request.num_cached_tokens = num_computed  # reported once: the first admission's hits
+        if request.sampling_params.prompt_logprobs is not None:
+            blocks, num_computed = [], 0  # prompt logprobs need every prompt position computed
+        else:
+            blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
         return blocks, num_computed
 
     def _admit(self, request: Request, num_computed: int, plan: _StepPlan) -> None:
@@ -165,6 +170,10 @@ class Scheduler:
             plan.new_reqs.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
+        if request.num_cached_tokens < 0:
+            # Reported once, at the first admission: a lookup that then failed to get blocks
+            # may have seen fewer hits than the admission that follows it.
+            request.num_cached_tokens = num_computed
         self.running.append(request)
 
     def _build_output(self, plan: _StepPlan) -> SchedulerOutput:
@@ -254,7 +263,9 @@ class Scheduler:
     def check_integrity(self) -> None:
         """The block pool's invariants hold and no finished request keeps blocks."""
         self.kv_cache_manager.check_integrity()
+        # Only running requests hold blocks: admission allocates all-or-nothing, and preempting,
+        # finishing or aborting a request frees its blocks at once.
         live = {r.request_id for r in self.running}
         leaked = [rid for rid in self.kv_cache_manager.req_to_blocks if rid not in live]
-        if leaked and not self.has_unfinished_requests():
+        if leaked:
             raise RuntimeError(f"blocks still held by requests that are not running: {leaked}")

@@ -1,0 +1,103 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))`` and ``LLM.chat``."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from pagedllm.config import EngineArgs
+from pagedllm.engine.input_processor import PromptType
+from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    """Generate text for batches of prompts with continuous batching on a paged KV cache.
+
+    ``model`` is a local Hugging Face-format directory, or None for the built-in demo model.
+    Keyword arguments are :class:`EngineArgs` fields (``dtype``, ``max_model_len``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        unknown = set(kwargs) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}")
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """One output per prompt, in prompt order."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
+        ids = []
+        try:
+            for prompt, p, prio in zip(prompts, params, priorities):
+                ids.append(self.llm_engine.next_request_id())
+                self.llm_engine.add_request(ids[-1], prompt, p, priority=prio)
+        except Exception:
+            self.llm_engine.abort_request(ids)  # one bad prompt must not leave the others queued
+            raise
+        return self._run_engine(ids, use_tqdm)
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a batch, then generate."""
+        batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self._render_chat(c, chat_template, add_generation_prompt, template_kwargs)}
+                   for c in batch]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _render_chat(self, conversation: Conversation, template: str | None, add_generation_prompt: bool,
+                     template_kwargs: dict) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this tokenizer has no chat template; pass chat_template=...")
+        ids = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=True,
+                                            add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        finished: dict[str, RequestOutput] = {}
+        bar = _progress_bar(len(request_ids)) if use_tqdm else None
+        while self.llm_engine.has_unfinished_requests():
+            for output in self.llm_engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts: Any) -> list[PromptType]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    return list(prompts)
+
+
+def _per_prompt(value: Any, n: int, name: str) -> list:
+    if value is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts; pass one or one per prompt")
+        return list(value)
+    return [value] * n
+
+
+def _progress_bar(total: int):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)

@@ -1,0 +1,115 @@
+"""ModelRunner: owns the model and the KV cache tensors; turns a SchedulerOutput into sampled tokens."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.engine.protocol import LogprobsLists
+from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention.selector import get_attn_backend
+from pagedllm.models.loader import load_model
+from pagedllm.sampling.metadata import SamplingMetadata
+from pagedllm.sampling.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
+from pagedllm.worker.input_batch import BatchInputs, CachedRequestState, prepare_inputs, update_states
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = _TORCH_DTYPES[config.model_config.dtype]
+        self.block_size = config.cache_config.block_size
+        self.vocab_size = config.model_config.arch.vocab_size
+        self.requests: dict[str, CachedRequestState] = {}
+        self.sampler = Sampler()
+        self.attn_backend = get_attn_backend(device.type, config.attention_backend)
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+
+    # ------------------------------------------------------------------ set-up
+    def load_model(self) -> None:
+        mc = self.config.model_config
+        self.model = load_model(mc.model, mc.arch, load_format=mc.load_format, dtype=self.dtype,
+                                device=self.device, seed=mc.seed)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``[2, num_blocks, block_size, KVH, D]`` per layer and bind it to the layers."""
+        layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.kv_caches = []
+        for layer in layers:
+            shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
+            # Zeroed, not empty: padded reads of unused slots are masked, but NaN garbage would
+            # still poison the attention matmul (0 * NaN = NaN).
+            cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            layer.bind_kv_cache(cache, self.attn_backend)
+            self.kv_caches.append(cache)
+
+    def _make_generator(self, seed: int | None) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    # ------------------------------------------------------------------ step
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        update_states(self.requests, sched, self._make_generator)
+        if sched.is_empty:
+            return ModelRunnerOutput(sampled_token_ids={})
+        batch = prepare_inputs(self.requests, sched, self.block_size, self.device)
+        attn_metadata = self.attn_backend.build_metadata(batch.attn)
+        hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
+        output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids})
+        self._compute_prompt_logprobs(batch, hidden, output)
+        if batch.sample_req_ids:
+            self._sample(batch, hidden, output)
+        return output
+
+    def _sample(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        states = [self.requests[r] for r in batch.sample_req_ids]
+        metadata = SamplingMetadata.from_params(
+            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+            [s.output_token_ids for s in states], self.vocab_size, self.device,
+            {i: s.generator for i, s in enumerate(states) if s.generator is not None})
+        result = self.sampler(logits, metadata)
+        sampled = result.sampled_token_ids.tolist()
+        for state, token in zip(states, sampled):
+            state.token_ids.append(token)
+            output.sampled_token_ids[state.req_id] = [token]
+        if result.logprobs_tensors is not None:
+            _split_logprobs(result.logprobs_tensors, states, output.logprobs)
+
+    def _compute_prompt_logprobs(self, batch: BatchInputs, hidden: torch.Tensor,
+                                 output: ModelRunnerOutput) -> None:
+        """Logprobs of each next prompt token for the prompt positions computed this step."""
+        offset = 0
+        for req_id, start, count in zip(batch.req_ids, batch.starts, batch.num_scheduled):
+            state = self.requests[req_id]
+            k = state.sampling_params.prompt_logprobs
+            first = max(start, state.prompt_logprobs_done)
+            end = min(start + count, state.num_prompt_tokens - 1)  # last prompt token predicts nothing
+            if k is not None and end > first:
+                rows = hidden[offset + first - start:offset + end - start]
+                targets = torch.tensor(state.token_ids[first + 1:end + 1], device=self.device)
+                lp = compute_logprobs_topk(self.model.compute_logits(rows), k, targets)
+                output.prompt_logprobs[req_id] = LogprobsLists(*lp.tolists())
+                state.prompt_logprobs_done = end
+            offset += count
+
+
+def _split_logprobs(tensors: LogprobsTensors, states: list[CachedRequestState],
+                    out: dict[str, LogprobsLists]) -> None:
+    """One row per request, trimmed to that request's own number of logprobs."""
+    ids, lps, ranks = tensors.tolists()
+    for i, state in enumerate(states):
+        k = state.sampling_params.logprobs
+        if k is not None:
+            out[state.req_id] = LogprobsLists([ids[i][:k + 1]], [lps[i][:k + 1]], [ranks[i]])
