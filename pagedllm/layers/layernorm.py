@@ -1,0 +1,32 @@
+"""RMSNorm with an optional fused residual add (the pre-norm decoder's two hot ops in one call)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * x / sqrt(mean(x^2) + eps)``, normalising in float32 like Hugging Face.
+
+    ``forward(x)`` returns the normalised x. ``forward(x, residual)`` first forms
+    ``x + residual`` (the new residual stream) and returns ``(norm(x + residual), x + residual)``.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        # HF casts back to the input dtype *before* scaling by the weight; so do we, to match bitwise.
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x

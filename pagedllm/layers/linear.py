@@ -1,0 +1,158 @@
+"""Linear layers that own tensor parallelism (Megatron-style column / row splits).
+
+Every parameter carries ``weight_loader(param, loaded_weight, shard_id=None)``: the layer knows
+which slice of a full checkpoint tensor belongs to this rank (and, for fused layers, where a
+``q_proj`` or ``up_proj`` shard goes), so the model's ``load_weights`` stays a few lines.
+Weights use the checkpoint layout ``[out_features, in_features]``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+
+# Which part of a fused parameter a checkpoint tensor fills (None for unfused parameters).
+ShardId = int | str | None
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size "
+                         f"({denominator}); choose a tensor_parallel_size that divides it")
+    return numerator // denominator
+
+
+def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
+    """``loaded.narrow`` with a readable error when the checkpoint tensor is too small."""
+    if loaded.dim() <= dim or loaded.shape[dim] < start + length:
+        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} has no slice "
+                         f"[{start}:{start + length}] along dim {dim}")
+    return loaded.narrow(dim, start, length)
+
+
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """Copy (casting dtype/device) but never broadcast: a shape mismatch is a wrong checkpoint."""
+    if param.shape != loaded.shape:
+        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
+                         f"the parameter expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+class LinearBase(nn.Module):
+    """y = x W^T + b on this rank's slice; subclasses define the slice."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
+        self.weight = nn.Parameter(torch.empty(output_size, input_size))
+        self.weight.weight_loader = self.weight_loader
+        if bias:
+            self.bias = nn.Parameter(torch.empty(output_size))
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ReplicatedLinear(LinearBase):
+    """Every rank holds the whole weight."""
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        copy_checked(param, loaded_weight)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; the result stays split (it feeds a row-parallel layer)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(input_size, divide(output_size, get_tp_size(), "output size"), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        rows = param.shape[0]
+        copy_checked(param, narrow_checked(loaded_weight, 0, self.tp_rank * rows, rows))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of one input fused into one matmul (gate_proj + up_proj).
+
+    Each rank's weight is the concatenation of its slice of every projection, so the output
+    splits back into per-projection chunks locally. ``shard_id`` is the projection's index.
+    """
+
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+        self.output_sizes = [divide(n, get_tp_size(), "output size") for n in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
+        size = self.output_sizes[shard_id]
+        offset = sum(self.output_sizes[:shard_id])
+        shard = narrow_checked(loaded_weight, 0, self.tp_rank * size, size)
+        copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections fused; heads split across ranks.
+
+    With fewer KV heads than ranks (GQA/MQA at high TP) each KV head is replicated on
+    ``tp_size // num_kv_heads`` ranks. ``num_heads`` / ``num_kv_heads`` are this rank's counts,
+    which is what the attention layer must be built with.
+    """
+
+    _SHARD_IDS = ("q", "k", "v")
+
+    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp_size = get_tp_size()
+        self.num_heads = divide(total_num_heads, tp_size, "num_attention_heads")
+        if total_num_kv_heads >= tp_size:
+            self.num_kv_heads = divide(total_num_kv_heads, tp_size, "num_key_value_heads")
+        elif tp_size % total_num_kv_heads:
+            raise ValueError(f"the tensor-parallel size ({tp_size}) exceeds num_key_value_heads "
+                             f"({total_num_kv_heads}) but is not a multiple of it")
+        else:
+            self.num_kv_heads = 1
+        self.kv_replicas = max(1, tp_size // total_num_kv_heads)
+        self.head_dim = head_dim
+        self.shard_sizes = (self.num_heads * head_dim, self.num_kv_heads * head_dim, self.num_kv_heads * head_dim)
+        super().__init__(hidden_size, sum(self.shard_sizes) * tp_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        """``shard_id``: "q"/"k"/"v" or its index 0/1/2 (the order of the packed-modules mapping)."""
+        index = self._SHARD_IDS.index(shard_id) if isinstance(shard_id, str) else shard_id
+        if index not in (0, 1, 2):
+            raise ValueError(f"shard_id must be one of q, k, v (or 0, 1, 2), got {shard_id!r}")
+        size = self.shard_sizes[index]
+        offset = sum(self.shard_sizes[:index])
+        # Which copy of the heads this rank holds: q heads are never replicated, k/v may be.
+        source = self.tp_rank if index == 0 else self.tp_rank // self.kv_replicas
+        shard = narrow_checked(loaded_weight, 0, source * size, size)
+        copy_checked(param.data.narrow(0, offset, size), shard)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks; partial products are summed with an all-reduce."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        super().__init__(divide(input_size, get_tp_size(), "input size"), output_size, bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        if param.dim() == 1:  # the bias is not split
+            copy_checked(param, loaded_weight)
+            return
+        cols = param.shape[1]
+        copy_checked(param, narrow_checked(loaded_weight, 1, self.tp_rank * cols, cols))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Only rank 0 adds the bias so the all-reduce counts it once.
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return all_reduce(y)

@@ -1,0 +1,106 @@
+"""Build a model on its device in its dtype and fill its weights (safetensors or random)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from pagedllm.models.hf_config import ModelArchConfig
+from pagedllm.models.registry import resolve_model_cls
+from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, safetensors_files
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_MAX_LISTED = 10
+
+
+def load_model(model_dir: str | None, arch: ModelArchConfig, *, load_format: str = "auto",
+               dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
+    """The model for ``arch`` in eval mode without gradients, its weights from ``model_dir``
+    ("auto"/"safetensors") or random ("dummy", seeded by ``seed``; no files needed)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
+    files = None if load_format == "dummy" else _checkpoint_files(model_dir)
+    model = build_model(arch, dtype, device)
+    if files is None:
+        init_dummy_weights(model, seed)
+    else:
+        _load_checkpoint(model, files, model_dir)
+    return model.eval().requires_grad_(False)
+
+
+def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """Allocate the parameters directly on ``device`` in ``dtype`` (uninitialised)."""
+    if not dtype.is_floating_point:
+        raise ValueError(f"dtype must be a floating-point type (float32, bfloat16, float16), got {dtype}")
+    model_cls = resolve_model_cls(arch.architecture)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return model_cls(arch)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _checkpoint_files(model_dir: str | None) -> list[Path]:
+    if model_dir is None:
+        raise ValueError("loading weights needs a model directory; pass load_format='dummy' for random weights")
+    files = safetensors_files(model_dir)
+    if not files:
+        raise ValueError(f"no *.safetensors in {model_dir}; pass load_format='dummy' for random weights")
+    absent = [str(f) for f in files if not f.is_file()]
+    if absent:
+        raise ValueError(f"model.safetensors.index.json in {model_dir} names missing files: {', '.join(absent)}")
+    return files
+
+
+def _load_checkpoint(model: nn.Module, files: list[Path], model_dir: str | None) -> None:
+    seen: list[str] = []
+
+    def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in iterate_safetensors(files):
+            seen.append(name)
+            yield name, tensor
+
+    with torch.no_grad():
+        loaded = model.load_weights(tracked())
+    check_loaded(model, loaded, seen, where=str(model_dir))
+
+
+def check_loaded(model: nn.Module, loaded: set[str], checkpoint_names: Iterable[str], where: str) -> None:
+    """ValueError listing our parameters that got no weights and checkpoint tensors we don't know."""
+    # named_parameters() dedups shared tensors, so a tied lm_head is not reported missing.
+    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    known = set(dict(model.named_parameters(remove_duplicate=False)))
+    mapping = getattr(model, "packed_modules_mapping", {})
+    unexpected = sorted(n for n in checkpoint_names
+                        if (target := map_checkpoint_name(n, mapping)) is not None and target[0] not in known)
+    if not missing and not unexpected:
+        return
+    problems = [f"{label} ({len(names)}): {_listing(names)}"
+                for label, names in (("missing parameters", missing), ("unexpected checkpoint tensors", unexpected))
+                if names]
+    raise ValueError(f"the checkpoint in {where} does not match {type(model).__name__}: {'; '.join(problems)}. "
+                     "Check that config.json belongs to these weights.")
+
+
+def _listing(names: list[str]) -> str:
+    more = len(names) - _MAX_LISTED
+    return ", ".join(names[:_MAX_LISTED]) + (f", ... and {more} more" if more > 0 else "")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int) -> None:
+    """Random weights that keep activations O(1) (benchmarks, no checkpoint): matrices ~ N(0, 1/fan_in),
+    norm weights 1, biases 0."""
+    generators: dict[torch.device, torch.Generator] = {}
+    for name, param in model.named_parameters():
+        if param.dim() == 1:
+            param.fill_(1.0 if "norm" in name else 0.0)
+            continue
+        if param.device not in generators:
+            generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        param.normal_(0.0, param.shape[-1] ** -0.5, generator=generators[param.device])
