@@ -1,0 +1,191 @@
+"""AsyncLLM: the asyncio front end used by the server. The engine core runs in another process.
+
+``generate()`` is an async generator of ``RequestOutput``s for one request. An output-handler
+task pulls each step's outputs from the engine process, detokenizes them (stop strings
+included) and puts them on the per-request queues. Nothing here blocks the event loop on
+model work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, AsyncIterator
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.engine.core_client import AsyncMPClient, EngineDeadError
+from pagedllm.engine.input_processor import InputProcessor, PromptType
+from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.metrics.stats import IterationStats, IterationStatsTracker, StatLogger
+from pagedllm.outputs import RequestOutput
+from pagedllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.2  # how often the output handler checks that the engine process is alive
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
+        self.config = config
+        self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
+        self.input_processor = InputProcessor(config, self.tokenizer)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.stats_tracker = IterationStatsTracker()
+        self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        self.latest_scheduler_stats = SchedulerStats()
+        self.client = AsyncMPClient(config)
+        self.dead_error: EngineDeadError | None = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._output_task: asyncio.Task | None = None
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
+        return cls(args.create_engine_config(), **kwargs)
+
+    @property
+    def capacity(self) -> dict:
+        return self.client.capacity
+
+    @property
+    def is_running(self) -> bool:
+        return self.dead_error is None and self.client.is_alive
+
+    # ------------------------------------------------------------------ requests
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0, cache_salt: str | None = None,
+                       strict_max_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream outputs for one request. Cancelling the consumer aborts the request."""
+        queue = await self.add_request(request_id, prompt, sampling_params, priority, cache_salt,
+                                       strict_max_tokens)
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0, cache_salt: str | None = None,
+                          strict_max_tokens: bool = True) -> asyncio.Queue:
+        """Validate (raises ValueError), then queue the request in the engine."""
+        self._check_alive()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request, text = self.input_processor.process(request_id, prompt, params, priority=priority,
+                                                     cache_salt=cache_salt, strict_max_tokens=strict_max_tokens)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._ensure_output_task()
+        children = self._fan_out(request, text, params, queue)
+        for child in children:
+            self.stats_tracker.add_request(child.request_id, child.arrival_time, len(child.prompt_token_ids))
+            await self.client.add_request(child)
+        return queue
+
+    def _fan_out(self, request: EngineCoreRequest, text: str | None, params: SamplingParams,
+                 queue: asyncio.Queue) -> list[EngineCoreRequest]:
+        if params.n == 1:
+            self.output_processor.add_request(request, text, queue=queue)
+            return [request]
+        parent = ParentRequest(request.request_id, params.n, params.output_kind, text,
+                               request.prompt_token_ids, request.arrival_time)
+        children = [ParentRequest.child_request(request, i) for i in range(params.n)]
+        for i, child in enumerate(children):
+            self.output_processor.add_request(child, text, parent, i, queue=queue)
+        return children
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request (and its children): its KV blocks return to the pool at once."""
+        core_ids = self.output_processor.abort_requests([request_id])
+        now = time.monotonic()
+        iteration = IterationStats()
+        for core_id in core_ids:
+            self.stats_tracker.finish(core_id, "abort", now, iteration)
+        self._record(None, iteration)
+        if self.is_running:
+            await self.client.abort_requests(core_ids)
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+        if not self.client.is_alive:
+            self._mark_dead()
+            raise self.dead_error
+
+    # ------------------------------------------------------------------ output handling
+    def _ensure_output_task(self) -> None:
+        if self._output_task is None or self._output_task.done():
+            self._output_task = asyncio.get_running_loop().create_task(self._output_loop())
+
+    async def _output_loop(self) -> None:
+        try:
+            while True:
+                outputs = await self.client.get_output(timeout=_POLL_S)
+                if outputs is None:
+                    if not self.client.is_alive:
+                        self._mark_dead()
+                        return
+                    continue
+                await self._handle_outputs(outputs)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here must not leave clients hanging forever
+            logger.exception("output handler failed")
+            self._mark_dead(exc)
+
+    async def _handle_outputs(self, outputs) -> None:
+        iteration = self.stats_tracker.observe(outputs.outputs)
+        processed = self.output_processor.process_outputs(outputs.outputs)
+        if processed.reqs_to_abort:
+            now = time.monotonic()
+            for req_id in processed.reqs_to_abort:
+                self.stats_tracker.finish(req_id, "stop", now, iteration)
+            await self.client.abort_requests(processed.reqs_to_abort)
+        if outputs.scheduler_stats is not None:
+            self.latest_scheduler_stats = outputs.scheduler_stats
+        self._record(outputs.scheduler_stats, iteration)
+
+    def _record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(scheduler_stats, iteration)
+
+    def _mark_dead(self, cause: Exception | None = None) -> None:
+        """The engine is gone: every waiting client gets an error now, not a hang."""
+        if self.dead_error is None:
+            code = self.client.proc.exitcode
+            self.dead_error = EngineDeadError(f"the engine core process died (exit code {code})"
+                                              + (f": {cause}" if cause else ""))
+            logger.error("%s", self.dead_error)
+        for queue in self._queues.values():
+            queue.put_nowait(self.dead_error)
+        self.client.fail_pending_calls(self.dead_error)
+
+    # ------------------------------------------------------------------ misc
+    async def check_health(self) -> None:
+        """Raise EngineDeadError unless the engine process answers."""
+        self._check_alive()
+        self._ensure_output_task()
+        await asyncio.wait_for(self.client.call_utility("ping"), timeout=5.0)
+
+    async def call_utility(self, name: str, *args: Any) -> Any:
+        self._check_alive()
+        self._ensure_output_task()
+        return await self.client.call_utility(name, *args)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._queues)
+
+    def shutdown(self) -> None:
+        if self._output_task is not None:
+            self._output_task.cancel()
+        self.client.shutdown()
