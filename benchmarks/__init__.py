@@ -1,0 +1,1 @@
+"""Benchmarks for pagedllm, each measured next to a baseline in the same run (see README.md)."""
