@@ -230,7 +230,7 @@ def _check_kv_budget(config: EngineConfig) -> None:
     if memory is None or config.device != "cpu":
         return
     blocks = memory // config.kv_bytes_per_block()
-    needed = config.blocks_per_max_len_request()
+    needed = config.blocks_per_max_len_request() + 1  # + the null block, as the worker counts it
     if blocks < needed:
         need_gib = needed * config.kv_bytes_per_block() / GiB
         raise ValueError(f"kv_cache_memory={memory / GiB:.3g} GiB holds {blocks} blocks of "

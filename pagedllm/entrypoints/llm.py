@@ -84,6 +84,9 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
         return [prompts]
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts must be a string, a list of token ids, a dict or a list of these; "
+                         f"got {type(prompts).__name__}")
     return list(prompts)
 
 

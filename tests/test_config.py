@@ -1,0 +1,126 @@
+"""EngineArgs -> EngineConfig: impossible settings fail at start-up with a message that says what
+to change, and the resulting config is frozen. No model forward is run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+
+from pagedllm.config import EngineArgs, EngineConfig
+from pagedllm.models.registry import supported_architectures
+
+
+def _config(model_dir, **kwargs) -> EngineConfig:
+    kwargs.setdefault("device", "cpu")
+    return EngineArgs(model=str(model_dir), **kwargs).create_engine_config()
+
+
+def test_defaults_resolve(llama_model_dir):
+    config = _config(llama_model_dir)
+    mc = config.model_config
+    assert mc.max_model_len == mc.arch.max_position_embeddings == 512
+    assert mc.dtype == "float32"  # dtype auto on CPU
+    assert (config.device, config.scheduler_config.policy, mc.load_format) == ("cpu", "fcfs", "auto")
+    assert config.scheduler_config.max_model_len == mc.max_model_len
+    assert config.cache_config.block_size == 16
+    assert config.blocks_per_max_len_request() == 32
+
+
+@pytest.mark.parametrize("dtype, resolved", [("auto", "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"),
+                                             ("half", "float16"), ("bf16", "bfloat16"), ("float", "float32")])
+def test_dtype(llama_model_dir, dtype, resolved):
+    assert _config(llama_model_dir, dtype=dtype).model_config.dtype == resolved
+
+
+def test_max_model_len_above_max_position_embeddings(llama_model_dir):
+    assert _config(llama_model_dir, max_model_len=512).model_config.max_model_len == 512
+    with pytest.raises(ValueError, match=r"max_model_len=513.*max_position_embeddings=512"):
+        _config(llama_model_dir, max_model_len=513)
+
+
+def test_kv_cache_memory_too_small(llama_model_dir):
+    # Tiny llama: 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 4 bytes x 16 tokens = 8 KiB a block;
+    # max_model_len=512 needs 32 blocks plus the null block.
+    block = 8192 / (1 << 30)
+    assert _config(llama_model_dir, max_model_len=512, kv_cache_memory=33 * block).kv_bytes_per_block() == 8192
+    with pytest.raises(ValueError, match="raise kv_cache_memory or lower max_model_len") as err:
+        _config(llama_model_dir, max_model_len=512, kv_cache_memory=32 * block)
+    assert "holds 32 blocks" in str(err.value) and "needs 33 blocks" in str(err.value)
+    # Lowering max_model_len, as the message suggests, makes the same budget enough.
+    assert _config(llama_model_dir, max_model_len=496, kv_cache_memory=32 * block)
+
+
+def test_kv_budget_check_agrees_with_the_engine(llama_model_dir):
+    """What the config accepts, the engine can start with (the worker also counts the null block)."""
+    from pagedllm import LLM
+
+    llm = LLM(str(llama_model_dir), device="cpu", max_model_len=512, kv_cache_memory=33 * 8192 / (1 << 30))
+    assert llm.llm_engine.engine_core.num_blocks == 33
+    llm.llm_engine.check_integrity()
+
+
+def test_unknown_architecture(llama_model_dir, tmp_path):
+    model_dir = tmp_path / "model"
+    shutil.copytree(llama_model_dir, model_dir)
+    path = model_dir / "config.json"
+    hf = json.loads(path.read_text())
+    hf["architectures"] = ["FancyNewForCausalLM"]
+    path.write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match="FancyNewForCausalLM") as err:
+        _config(model_dir)
+    assert "supported" in str(err.value)
+    assert "LlamaForCausalLM" in supported_architectures()
+    assert all(name in str(err.value) for name in supported_architectures())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"dtype": "float8"}, "dtype must be one of"),
+    ({"load_format": "pt"}, "load_format must be one of"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of"),
+    ({"device": "tpu"}, "device must be"),
+    ({"block_size": 12}, "block_size must be a multiple of 8"),
+    ({"block_size": 0}, "block_size must be a positive integer"),
+    ({"max_model_len": 0}, "max_model_len must be a positive integer"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
+    ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be a positive integer"),
+    ({"kv_cache_memory": 0}, "kv_cache_memory must be > 0"),
+    ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
+    ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+])
+def test_bad_values(llama_model_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _config(llama_model_dir, **kwargs)
+
+
+def test_missing_model_path(tmp_path):
+    missing = tmp_path / "nowhere"
+    with pytest.raises(ValueError, match="is not a local directory") as err:
+        _config(missing)
+    assert str(missing) in str(err.value)
+
+
+def test_directory_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        _config(tmp_path)
+
+
+def test_configs_are_frozen(llama_model_dir):
+    config = _config(llama_model_dir)
+    for obj, name in [(config, "device"), (config.model_config, "max_model_len"),
+                      (config.cache_config, "block_size"), (config.scheduler_config, "max_num_seqs"),
+                      (config.parallel_config, "tensor_parallel_size")]:
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(obj, name, 1)
+
+
+def test_config_is_torch_free_to_build(llama_model_dir):
+    import subprocess
+    import sys
+
+    code = ("import sys; from pagedllm.config import EngineArgs; "
+            f"EngineArgs(model={str(llama_model_dir)!r}, device='cpu').create_engine_config(); "
+            "assert 'torch' not in sys.modules, 'config imported torch'")
+    subprocess.run([sys.executable, "-c", code], check=True)
