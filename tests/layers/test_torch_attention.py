@@ -7,7 +7,8 @@ import torch
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.metadata import build_common_metadata
-from pagedllm.layers.attention.selector import get_attn_backend
+from pagedllm.layers.attention.backends.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend
 
 BLOCK = 4
 
@@ -26,12 +27,15 @@ def dense_attention(q, k, v, num_kv_heads, window=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
 
 
+@pytest.mark.parametrize("use_kernels", [True, False], ids=["cpu-kernel", "gather"])
 @pytest.mark.parametrize("window", [None, 5])
-def test_mixed_batch_matches_dense(window):
+def test_mixed_batch_matches_dense(window, use_kernels):
     torch.manual_seed(0)
     heads, kv_heads, dim, num_blocks = 4, 2, 8, 32
     layer = Attention(heads, dim, kv_heads, 1 / math.sqrt(dim), sliding_window=window)
-    backend = get_attn_backend("cpu")
+    backend = TorchAttentionBackend(use_cpu_kernels=use_kernels)
+    if use_kernels and load_cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
     layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK, kv_heads, dim), backend)
     # Three sequences: (context, new tokens) = a prefill from scratch, a chunk on a cached prefix, a decode.
     plan = [(0, 7), (6, 5), (9, 1)]

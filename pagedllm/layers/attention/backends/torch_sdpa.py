@@ -1,7 +1,9 @@
 """Reference attention backend on torch's scaled_dot_product_attention (CPU and any device).
 
-Decodes (one query token each) are batched into one SDPA call over K/V gathered from the
-paged cache; prefill chunks (possibly on top of a cached prefix) run one SDPA call each.
+Decodes (one query token each) are batched: on CPU a C++ kernel reads K/V straight from the
+paged blocks (``csrc/cpu_paged_attention.cpp``); elsewhere, or without the kernel, one SDPA call
+runs over K/V gathered from the cache. Prefill chunks (possibly on top of a cached prefix) run
+one SDPA call each: they are compute-bound, so the gather is amortised over their queries.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backends.base import AttentionBackend, write_kv
+from pagedllm.layers.attention.backends.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 
 
@@ -29,8 +32,9 @@ class PrefillSeq:
 class TorchAttentionMetadata:
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor | None  # [Bd] rows of single-token queries
-    decode_slots: torch.Tensor | None  # [Bd, Lmax] cache slots, padded
+    decode_slots: torch.Tensor | None  # [Bd, Lmax] cache slots, padded (gather path only)
     decode_seq_lens: torch.Tensor | None  # [Bd]
+    decode_table: torch.Tensor | None  # [Bd, max_blocks] (kernel path)
     prefills: list[PrefillSeq]
     num_tokens: int
     _masks: dict = field(default_factory=dict)  # per sliding window, built on first use
@@ -78,26 +82,35 @@ def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def __init__(self, use_cpu_kernels: bool = True) -> None:
+        self.use_cpu_kernels = use_cpu_kernels
+
+    def _kernels(self, device: torch.device):
+        return load_cpu_kernels() if self.use_cpu_kernels and device.type == "cpu" else None
+
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         query_lens = common.query_lens_cpu()
         decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
         prefill_idx = [i for i, n in enumerate(query_lens) if n > 1]
         loc, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
         device = common.block_table.device
-        decode_rows = decode_slots = decode_lens = None
+        decode_rows = decode_slots = decode_lens = decode_table = None
         if decode_idx:
             idx = torch.tensor(decode_idx, device=device)
             decode_rows = common.query_start_loc[idx]
             decode_lens = common.seq_lens[idx]
-            max_len = max(seq_lens[i] for i in decode_idx)
-            decode_slots = _slots_for(common.block_table[idx], max_len, common.block_size)
+            if self._kernels(device) is not None:
+                decode_table = common.block_table[idx].contiguous()
+            else:
+                max_len = max(seq_lens[i] for i in decode_idx)
+                decode_slots = _slots_for(common.block_table[idx], max_len, common.block_size)
         prefills = [
             PrefillSeq(loc[i], loc[i + 1], seq_lens[i] - query_lens[i],
                        _slots_for(common.block_table[i:i + 1], seq_lens[i], common.block_size)[0])
             for i in prefill_idx
         ]
         return TorchAttentionMetadata(common.slot_mapping, decode_rows, decode_slots, decode_lens,
-                                      prefills, common.num_actual_tokens)
+                                      decode_table, prefills, common.num_actual_tokens)
 
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
         kv_cache = layer.kv_cache
@@ -107,7 +120,9 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        if metadata.decode_rows is not None:
+        if metadata.decode_table is not None:
+            self._decode_kernel(layer, q, out, kv_cache, metadata)
+        elif metadata.decode_rows is not None:
             self._decode(layer, q, out, key_cache, value_cache, metadata)
         for i, seq in enumerate(metadata.prefills):
             keys = key_cache[seq.kv_slots].transpose(0, 1)  # [KVH, L, D]
@@ -118,6 +133,15 @@ class TorchAttentionBackend(AttentionBackend):
                                                  scale=layer.scale, enable_gqa=num_heads != num_kv_heads)
             out[seq.start:seq.end] = res.transpose(0, 1)
         return out.view(-1, num_heads * head_dim)
+
+    def _decode_kernel(self, layer, q, out, kv_cache, metadata: TorchAttentionMetadata) -> None:
+        rows = metadata.decode_rows
+        query = q[rows].contiguous()
+        result = torch.empty_like(query)
+        self._kernels(q.device).paged_decode_attention(
+            result, query, kv_cache[0], kv_cache[1], metadata.decode_table, metadata.decode_seq_lens,
+            layer.scale, layer.sliding_window or 0)
+        out[rows] = result
 
     @staticmethod
     def _decode(layer, q, out, key_cache, value_cache, metadata: TorchAttentionMetadata) -> None:
