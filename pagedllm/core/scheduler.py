@@ -9,7 +9,6 @@ is preempted: its blocks are freed, its computed count reset, and it goes back t
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig

@@ -87,9 +87,14 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._ensure_output_task()
         children = self._fan_out(request, text, params, queue)
-        for child in children:
-            self.stats_tracker.add_request(child.request_id, child.arrival_time, len(child.prompt_token_ids))
-            await self.client.add_request(child)
+        try:
+            for child in children:
+                self.stats_tracker.add_request(child.request_id, child.arrival_time, len(child.prompt_token_ids))
+                await self.client.add_request(child)
+        except BaseException:  # cancelled mid fan-out: children already sent must not run on
+            self._queues.pop(request_id, None)
+            await asyncio.shield(self.abort(request_id))
+            raise
         return queue
 
     def _fan_out(self, request: EngineCoreRequest, text: str | None, params: SamplingParams,

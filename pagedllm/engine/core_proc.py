@@ -15,7 +15,7 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.protocol import EngineCoreRequest
 
 logger = logging.getLogger(__name__)
 
@@ -40,15 +40,17 @@ class EngineCoreProc:
         self.output.connect(output_addr)
         self.encoder = msgspec.msgpack.Encoder()
         self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+        self.stats_dirty = False
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)
 
     def run(self) -> None:
         while True:
             self._drain_inputs(block=not self.core.has_unfinished_requests())
-            if self.core.has_unfinished_requests():
-                outputs = self.core.step()
-                self._send(("outputs", outputs))
+            if self.core.has_unfinished_requests() or self.stats_dirty:
+                # A step with no work still reports fresh stats (e.g. after aborts emptied the engine).
+                self.stats_dirty = False
+                self._send(("outputs", self.core.step()))
 
     def _drain_inputs(self, block: bool) -> None:
         timeout = 1000 if block else 0  # ms; blocking waits still wake up to stay responsive
@@ -62,6 +64,7 @@ class EngineCoreProc:
             self.core.add_request(msgspec.convert(payload, EngineCoreRequest))
         elif kind == "abort":
             self.core.abort_requests(payload)
+            self.stats_dirty = True
         elif kind == "utility":
             self._utility(*payload)
         elif kind == "shutdown":

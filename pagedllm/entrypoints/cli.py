@@ -5,7 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedllm.entrypoints.cli_args import add_engine_args, engine_args_from_namespace
+from pagedllm.entrypoints.cli_args import add_engine_args, add_server_args, engine_args_from_namespace
+
+SERVE_EPILOG = """\
+endpoints (OpenAI-compatible):
+  POST /v1/chat/completions, POST /v1/completions   (streaming with "stream": true)
+  GET  /v1/models, POST /tokenize, POST /detokenize, GET /version
+  GET  /health    200 when the engine answers, else 503 (never needs an API key)
+  GET  /metrics   Prometheus text format, metric names prefixed "vllm:" as in vLLM
+                  (vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:prompt_tokens_total,
+                  vllm:time_to_first_token_seconds, ...), every metric labelled model_name
+
+exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
+  1 if the engine process died, 2 on bad flags or start-up errors.
+
+example: pagedllm serve                      # the built-in demo model on http://localhost:8000
+         pagedllm serve ./my-model --served-model-name my-model --api-key sk-local
+"""
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -19,9 +35,28 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from pagedllm.entrypoints.openai.server_process import run_server
+
+    return run_server(args)
+
+
+def _add_serve(sub) -> None:
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                           description="Serve a model over an OpenAI-compatible HTTP API.",
+                           epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve.add_argument("model", nargs="?", default=None,
+                       help="local Hugging Face-format model directory (default: the built-in demo model)")
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference and serving")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference and serving",
+                                     epilog="run 'pagedllm <command> --help' for the flags of each command")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    _add_serve(sub)
     gen = sub.add_parser("generate", help="generate text offline for a few prompts",
                          description="Generate text for the given prompts with the offline engine.")
     gen.add_argument("model", nargs="?", default=None,

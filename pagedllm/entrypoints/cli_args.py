@@ -10,7 +10,9 @@ from pagedllm.config import EngineArgs
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model directory)")
-    g.add_argument("--served-model-name", default=None, help="model name reported by the API (default: the model path)")
+    g.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model name(s) the API answers to; the first is reported in responses and metrics "
+                        "(default: the model path as given, or pagedllm-demo)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "half", "float", "bf16"],
                    help="weight and activation dtype; auto = float32 on CPU, the checkpoint's dtype on GPU")
     g.add_argument("--max-model-len", type=int, default=None,
@@ -25,16 +27,46 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="token budget per step; longer prompts are chunked (default 2048)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default on)")
-    g.add_argument("--seed", type=int, default=0, help="random seed for dummy weights and unseeded sampling")
+    g.add_argument("--seed", type=int, default=0, help="random seed for dummy weights and unseeded sampling (default 0)")
     g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
                    help="auto/safetensors: load weights; dummy: random weights from config.json (benchmarks)")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
                    help="fcfs, or priority (lower value first; preempts the lowest priority)")
     g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="device (default: cuda if present)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="tensor-parallel ranks (only 1 for now)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="tensor-parallel ranks; accepted and validated, only 1 is supported for now (default 1)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model directory")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """HTTP-server flags of ``pagedllm serve`` (names and defaults as vLLM's where it has them)."""
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="0.0.0.0", help="address to bind (default 0.0.0.0: all IPv4 interfaces)")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (repeatable; "
+                        "/health, /metrics and /version stay open)")
+    g.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="file with one accepted API key per line (blank lines and lines starting with # ignored)")
+    g.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
+                   help="chat template for /v1/chat/completions: a file path or an inline Jinja string "
+                        "(default: the tokenizer's own template)")
+    g.add_argument("--uvicorn-log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of uvicorn (default info)")
+    g.add_argument("--disable-uvicorn-access-log", action="store_true", help="do not log every HTTP request")
+    g.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM/SIGINT, stop accepting and let in-flight requests finish for up to this many "
+                        "seconds before cancelling them (default 30)")
+    g.add_argument("--max-waiting-requests", type=int, default=1024,
+                   help="admit at most max_num_seqs + this many generation requests at once; beyond that new "
+                        "ones get 503 with a Retry-After header instead of queueing without bound (default 1024)")
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
     names = EngineArgs.field_names()
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in names})
+    kwargs = {k: v for k, v in vars(ns).items() if k in names}
+    served = kwargs.get("served_model_name")
+    if isinstance(served, list):  # the engine reports the first name; the server answers to all
+        kwargs["served_model_name"] = served[0] if served else None
+    return EngineArgs(**kwargs)

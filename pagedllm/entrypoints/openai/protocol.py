@@ -1,0 +1,181 @@
+"""Request models of the OpenAI-compatible API (pydantic), and their conversion to SamplingParams.
+
+Unknown fields are ignored, as OpenAI does; known fields are validated strictly (a string where
+a number belongs is a 400 naming the field, never a silent coercion). Range checks live in
+``SamplingParams`` so the offline and the HTTP API give the same messages.
+Responses are built as plain dicts in ``serving_common`` (cheaper per streamed token).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_N = 128  # OpenAI's limit on choices per request
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool | None = False
+
+
+class TextContentPart(OpenAIBaseModel):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self) -> "TextContentPart":
+        if self.type != "text" or self.text is None:
+            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
+                             f"got type {self.type!r}")
+        return self
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def to_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates expect it: content always a string."""
+        content = self.content
+        if isinstance(content, list):
+            content = "\n".join(part.text or "" for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        for key in ("name", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by chat and completion requests (OpenAI's and vLLM's extras)."""
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = Field(default=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=_SEED_RANGE[0], le=_SEED_RANGE[1])
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict[str, float] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> "_SamplingRequest":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be set when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            n=self.n, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            logit_bias=_parse_logit_bias(self.logit_bias),
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                        repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                        frequency_penalty=self.frequency_penalty)
+        kwargs.update({k: v for k, v in optional.items() if v is not None})  # None: the default
+        return kwargs
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("messages")
+    @classmethod
+    def _not_empty(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        if not messages:
+            raise ValueError("messages must contain at least one message")
+        return messages
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    def to_sampling_params(self) -> SamplingParams:
+        """Raises ValueError (naming the field) for out-of-range values."""
+        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs())
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: bool | None = False
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, prompt: Any) -> Any:
+        if isinstance(prompt, list) and (not prompt or any(isinstance(p, list) and not p for p in prompt)):
+            raise ValueError("prompt must not be empty: pass a string, a list of strings or token ids")
+        return prompt
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, suffix: str | None) -> str | None:
+        if suffix:
+            raise ValueError("suffix is not supported by this server; leave it unset")
+        return suffix
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (a string or a list of token ids each)."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+    def to_sampling_params(self) -> SamplingParams:
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
+                              **self._sampling_kwargs())
+
+
+def _parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    if bias is None:
+        return None
+    bad = [key for key in bias if not key.strip().lstrip("-").isdigit()]
+    if bad:
+        raise ValueError(f"logit_bias keys must be token ids (integers written as strings), got {bad[:5]}")
+    return {int(key): value for key, value in bias.items()}

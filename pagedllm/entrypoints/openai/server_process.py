@@ -1,0 +1,133 @@
+"""``pagedllm serve``'s process lifecycle: bind, start the engine process, run uvicorn, drain.
+
+Exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
+1 if the engine process died, 2 on start-up errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+from typing import Any
+
+import pagedllm
+from pagedllm.entrypoints.openai.api_server import ServerOptions, ServerState, build_app
+from pagedllm.metrics.prometheus import PrometheusStatLogger
+
+logger = logging.getLogger(__name__)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """``pagedllm serve``. Exit code: 0 after SIGTERM/SIGINT, 1 if the engine died, 2 on start-up errors."""
+    _setup_logging()
+    try:
+        options = ServerOptions.from_args(args)
+        sock = _bind_socket(args.host, args.port)
+        from pagedllm.entrypoints.cli_args import engine_args_from_namespace
+
+        config = engine_args_from_namespace(args).create_engine_config()
+    except (ValueError, OSError) as exc:
+        _startup_error(exc)
+        return 2
+    return asyncio.run(_serve(args, options, config, sock))
+
+
+async def _serve(args: argparse.Namespace, options: ServerOptions, config: Any, sock: Any) -> int:
+    import uvicorn
+
+    try:
+        engine = _start_engine(config, options)
+    except (ValueError, RuntimeError, OSError) as exc:
+        sock.close()
+        _startup_error(exc)
+        return 2
+    try:
+        app = build_app(engine, args)
+    except BaseException:
+        engine.shutdown()
+        raise
+    state: ServerState = app.state.server_state
+    try:
+        server = uvicorn.Server(uvicorn.Config(
+            app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
+            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
+        state.server = server
+        _print_startup(engine, options, args)
+        _install_signal_handlers(server)
+        await server.serve(sockets=[sock])
+    finally:
+        state.stop_engine()  # normally the lifespan has done this already
+    logger.info("server stopped (exit code %d)", state.exit_code)
+    return state.exit_code
+
+
+def _start_engine(config: Any, options: ServerOptions) -> Any:
+    import sys
+
+    from pagedllm.engine.async_llm import AsyncLLM
+    from pagedllm.metrics.stats import LoggingStatLogger
+
+    engine = AsyncLLM(config, stat_loggers=[PrometheusStatLogger(options.served_model_names[0]),
+                                            LoggingStatLogger()])
+    if "torch" in sys.modules:  # the front end does no model work: leave the cores to the engine
+        sys.modules["torch"].set_num_threads(1)
+    return engine
+
+
+def _bind_socket(host: str, port: int) -> Any:
+    """Bind before loading the model, so a busy port fails fast. Not inherited by the engine."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}; pick another --port or --host") from None
+    sock.listen(2048)
+    return sock
+
+
+def _install_signal_handlers(server: Any) -> None:
+    """uvicorn installs its own SIGTERM/SIGINT handlers while serving (stop accepting, drain up
+    to timeout_graceful_shutdown) and, once drained, re-raises the signal to the handlers it
+    found. With the default handlers that re-raise would kill us (exit -15) after a clean drain;
+    these make it a no-op, so the process exits 0. A signal that lands just before uvicorn's
+    handlers are in place still stops the server."""
+    import signal
+
+    def stop(signum: int, frame: Any) -> None:
+        server.should_exit = True
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, stop)
+
+
+def _print_startup(engine: Any, options: ServerOptions, args: argparse.Namespace) -> None:
+    mc = engine.config.model_config
+    cap = engine.capacity
+    host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
+    host = f"[{host}]" if ":" in host else host
+    url = f"http://{host}:{args.port}"
+    lines = [
+        f"pagedllm {pagedllm.__version__}: loaded {mc.model} ({mc.arch.architecture}, {mc.dtype}, "
+        f"max_model_len={mc.max_model_len}) on {engine.config.device}",
+        f"capacity: {cap.get('summary', '?')} (engine ready in {cap.get('startup_seconds', 0):.1f} s)",
+        f"serving model name(s): {', '.join(options.served_model_names)}; API key "
+        f"{'required' if options.api_keys else 'not required'}; metrics prefix vllm: at /metrics",
+        f"listening on {url} (bound to {args.host}); OpenAI base URL: {url}/v1",
+    ]
+    print("\n".join(lines), flush=True)
+
+
+def _startup_error(exc: BaseException) -> None:
+    import sys
+
+    print(f"error: {exc}", file=sys.stderr, flush=True)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

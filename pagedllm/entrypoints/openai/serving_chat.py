@@ -1,0 +1,132 @@
+"""POST /v1/chat/completions: render the chat template to token ids, generate, shape the reply."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, AsyncIterator, Iterable
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, OutputStream, UsageCounter, clamp_logprob,
+                                                        now_s, random_id, sse, token_text, value_error_response)
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+
+# Keys the handler sets itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "chat_template", "add_generation_prompt",
+                             "return_dict", "return_tensors", "padding", "truncation", "max_length"}
+
+
+class OpenAIServingChat(OpenAIServing):
+    prompt_param = "messages"
+
+    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None) -> None:
+        super().__init__(engine, served_model_names)
+        self.chat_template = _load_template(chat_template)
+
+    async def create_chat_completion(self, body: dict, raw_request: Request) -> Response:
+        request, error = self.parse(body, ChatCompletionRequest)
+        if error is not None:
+            return error
+        try:
+            params = request.to_sampling_params()
+            prompt_ids = self.render(request)
+        except ValueError as exc:
+            return value_error_response(exc, body, self.prompt_param)
+        request_id = random_id("chatcmpl")
+        stream = self.start([{"prompt_token_ids": prompt_ids}], params, request_id, request)
+        shape = _ChatShape(request, request_id)
+        return await self.respond(stream, raw_request, body, bool(request.stream), shape.events, shape.body)
+
+    def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The conversation as prompt token ids; the rendered template already holds BOS."""
+        tokenizer = self.engine.tokenizer
+        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template; start the server with "
+                             "--chat-template, or use /v1/completions")
+        kwargs = dict(request.chat_template_kwargs or {})
+        reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs must not set {reserved}")
+        messages = [message.to_template_dict() for message in request.messages]
+        try:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=self.chat_template,
+                                                add_generation_prompt=request.add_generation_prompt, **kwargs)
+        except Exception as exc:  # template errors (jinja raise_exception, bad kwargs) are the client's
+            raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _load_template(template: str | None) -> str | None:
+    """--chat-template is a file path or the template itself (as in vLLM)."""
+    if template and len(template) < 4096 and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            return f.read()
+    return template
+
+
+class _ChatShape:
+    """Builds one request's response body or SSE chunks from engine outputs."""
+
+    def __init__(self, request: ChatCompletionRequest, request_id: str) -> None:
+        self.request = request
+        self.num_top = request.top_logprobs or 0
+        self.base = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": request.model}
+
+    def body(self, outputs: dict[int, RequestOutput]) -> dict:
+        output = outputs[0]
+        usage = UsageCounter()
+        usage.add(0, output)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": self._logprobs(c), "finish_reason": c.finish_reason} for c in output.outputs]
+        return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage.usage()}
+
+    async def events(self, stream: OutputStream) -> AsyncIterator[str]:
+        usage = UsageCounter()
+        yield "".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.request.n))
+        async for batch in stream.batches():
+            events = []
+            for _, output in batch:
+                usage.add(0, output)
+                for completion in output.outputs:
+                    events.extend(self._completion_chunks(completion))
+            if events:
+                yield "".join(events)
+        if self.request.include_usage:
+            yield sse({**self.base, "choices": [], "usage": usage.usage()})
+
+    def _completion_chunks(self, completion: CompletionOutput) -> list[str]:
+        chunks = []
+        if completion.text or (self.request.logprobs and completion.token_ids):
+            chunks.append(self._chunk(completion.index, {"content": completion.text}, self._logprobs(completion)))
+        if completion.finish_reason is not None:
+            chunks.append(self._chunk(completion.index, {}, finish_reason=completion.finish_reason))
+        return chunks
+
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        chunk = {**self.base, "choices": [choice]}
+        if self.request.include_usage:
+            chunk["usage"] = None
+        return sse(chunk)
+
+    def _logprobs(self, completion: CompletionOutput) -> dict | None:
+        if not self.request.logprobs or completion.logprobs is None:
+            return None
+        return chat_logprobs(completion.logprobs, completion.token_ids, self.num_top)
+
+
+def chat_logprobs(rows: Iterable[dict[int, Logprob]], token_ids: list[int], num_top: int) -> dict:
+    """Chat's ``logprobs``: one entry per sampled token with its top ``num_top`` alternatives."""
+    content = []
+    for token_id, row in zip(token_ids, rows):
+        top = sorted(row.items(), key=lambda item: -item[1].logprob)[:num_top]
+        content.append({**_chat_token(token_id, row[token_id]),
+                        "top_logprobs": [_chat_token(t, entry) for t, entry in top]})
+    return {"content": content}
+
+
+def _chat_token(token_id: int, entry: Logprob) -> dict:
+    text = token_text(token_id, entry)
+    return {"token": text, "logprob": clamp_logprob(entry.logprob), "bytes": list(text.encode("utf-8"))}
