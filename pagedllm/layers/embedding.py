@@ -45,6 +45,13 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary. With tied embeddings the model assigns the
     embedding's parameter to ``self.weight`` (same shape and vocab split)."""
 
+    def process_weights_after_loading(self) -> None:
+        """Column-major like the linears (see ``to_column_major``). A tied head gets its own
+        copy: the embedding lookup needs rows contiguous, the head needs columns."""
+        if self.weight.device.type != "cpu":
+            return
+        self.weight = nn.Parameter(self.weight.data.t().contiguous().t(), requires_grad=False)
+
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = all_gather(F.linear(hidden_states, self.weight), dim=-1)
         return logits[..., :self.num_embeddings]  # drop the padding rows of the last shard

@@ -58,8 +58,22 @@ class LinearBase(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
+    def process_weights_after_loading(self) -> None:
+        to_column_major(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def to_column_major(param: nn.Parameter) -> None:
+    """Store W [out, in] column-major on CPU, i.e. W^T contiguous.
+
+    ``F.linear`` computes x @ W^T; with W^T contiguous that is a plain row-major GEMM, which on
+    CPU streams the weight sequentially and reaches the memory-bandwidth floor at small batch
+    (the transposed-operand GEMM does not). Shape and values are unchanged.
+    """
+    if param.device.type == "cpu" and param.dim() == 2 and param.is_contiguous():
+        param.data = param.data.t().contiguous().t()
 
 
 class ReplicatedLinear(LinearBase):

@@ -28,7 +28,16 @@ def load_model(model_dir: str | None, arch: ModelArchConfig, *, load_format: str
         init_dummy_weights(model, seed)
     else:
         _load_checkpoint(model, files, model_dir)
+    process_weights_after_loading(model)
     return model.eval().requires_grad_(False)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each layer re-lay out its loaded weights for the device (e.g. column-major on CPU)."""
+    for module in model.modules():
+        hook = getattr(module, "process_weights_after_loading", None)
+        if hook is not None:
+            hook()
 
 
 def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:

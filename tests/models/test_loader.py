@@ -81,7 +81,16 @@ def test_tied_checkpoint_may_carry_lm_head(tmp_path):
                         lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
     for p in (src, path):
         model = load(p, config)
-        assert model.lm_head.weight is model.model.embed_tokens.weight
+        # Same values; on CPU the head holds its own column-major copy (see to_column_major).
+        assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+
+
+def test_cpu_weights_are_column_major_after_loading(llama_dir, config):
+    model = load(llama_dir, config)
+    qkv = model.model.layers[0].self_attn.qkv_proj.weight
+    assert qkv.t().is_contiguous() and not qkv.is_contiguous()
+    assert model.lm_head.weight.t().is_contiguous()
+    assert model.model.embed_tokens.weight.is_contiguous()  # lookups need rows
 
 
 def test_no_safetensors_suggests_dummy(llama_dir, config, tmp_path):
