@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedllm.entrypoints.bench import add_bench_parser
 from pagedllm.entrypoints.cli_args import add_engine_args, add_server_args, engine_args_from_namespace
 
 SERVE_EPILOG = """\
@@ -55,7 +56,7 @@ def _add_serve(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference and serving",
                                      epilog="run 'pagedllm <command> --help' for the flags of each command")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     _add_serve(sub)
     gen = sub.add_parser("generate", help="generate text offline for a few prompts",
                          description="Generate text for the given prompts with the offline engine.")
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
+    add_bench_parser(sub)
     return parser
 
 

@@ -1,6 +1,6 @@
-"""Hugging Face ``transformers`` ``generate`` baselines on the same requests as pagedllm.
+"""Hugging Face ``transformers`` baselines on the same requests as pagedllm (llama.cpp: ``llama_cpp.py``).
 
-Two ways people run HF without an inference engine:
+Two ways people run HF ``generate`` without an inference engine:
   * one request at a time (batch size 1, no padding), and
   * static padded batches (left padding + attention mask): every batch runs until its longest
     output is done, so only each request's own output length counts as useful work.
@@ -10,6 +10,7 @@ its output length, like pagedllm with ``ignore_eos=True``; the produced lengths 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 
 import torch
 
-from benchmarks.datasets import BenchRequest
+from pagedllm.entrypoints.bench.datasets import BenchRequest
 
 
 @dataclass(frozen=True)
@@ -115,3 +116,36 @@ def _check_lengths(out: torch.Tensor, prompt_width: int, expected: list[int]) ->
         raise RuntimeError(f"HF generate produced {produced} new tokens per row for {out.shape[0]} rows, "
                            f"expected {expected}: EOS was not disabled")
     return produced * out.shape[0]
+
+
+def decode_step_seconds(model: Any, batch: int, prompt_len: int, warmup: int, steps: int,
+                        vocab_size: int, seed: int) -> list[float]:
+    """Seconds per greedy decode step of a plain HF forward loop with a ``DynamicCache`` (what
+    ``generate`` runs, minus its bookkeeping) at ``batch`` sequences of ``prompt_len`` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, vocab_size, (batch, prompt_len), generator=gen).to(model.device)
+    times = []
+    with torch.inference_mode():
+        out = model(ids, use_cache=True)
+        past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        for i in range(warmup + steps):
+            start = time.perf_counter()
+            out = model(nxt, past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def prefill_seconds(model: Any, prompt_len: int, iters: int, vocab_size: int, seed: int) -> float:
+    """Median seconds of one forward over a ``prompt_len``-token prompt (after one warm-up)."""
+    gen = torch.Generator().manual_seed(seed)
+    times = []
+    with torch.inference_mode():
+        for i in range(iters + 1):
+            ids = torch.randint(10, vocab_size, (1, prompt_len), generator=gen).to(model.device)
+            start = time.perf_counter()
+            model(ids, use_cache=True, logits_to_keep=1)
+            if i:
+                times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -54,6 +54,28 @@ def prefix_sharing_requests(n: int, prefix_len: int, suffix_len_range: LenRange,
     return requests
 
 
+def long_prompt_mix_requests(n: int, short_prompt_range: LenRange, long_prompt_range: LenRange,
+                             output_len_range: LenRange, long_output_range: LenRange, long_fraction: float,
+                             vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+    """Mostly short-prompt, long-output chats with a long-prompt request every ``1 / long_fraction``
+    requests (evenly spread, so long prompts keep arriving while the others decode)."""
+    _check_common(n, output_len_range, vocab_size)
+    _check_range("long_output_range", long_output_range, minimum=1)
+    _check_range("short_prompt_range", short_prompt_range, minimum=1)
+    _check_range("long_prompt_range", long_prompt_range, minimum=1)
+    if not 0.0 <= long_fraction <= 1.0:
+        raise ValueError(f"long_fraction must be in [0, 1], got {long_fraction}")
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        is_long = long_fraction > 0 and int((i + 1) * long_fraction) > int(i * long_fraction)
+        prompt_range, out_range = ((long_prompt_range, long_output_range) if is_long
+                                   else (short_prompt_range, output_len_range))
+        prompt = _random_ids(rng, rng.randint(*prompt_range), vocab_size)
+        requests.append(BenchRequest(prompt, rng.randint(*out_range)))
+    return requests
+
+
 def total_prompt_tokens(requests: Sequence[BenchRequest]) -> int:
     return sum(len(r.prompt_token_ids) for r in requests)
 

@@ -1,0 +1,130 @@
+"""Write a Llama-family HF model (random or loaded weights) as a float32 GGUF file for llama.cpp.
+
+A minimal version of llama.cpp's ``convert_hf_to_gguf.py`` for the llama architecture: the
+``llama.*`` hyper-parameters, tensors under llama.cpp's names (q/k rows permuted from HF's
+rotate-half RoPE layout to llama.cpp's interleaved one, so the GGUF model computes the same
+function as the HF one), and a dummy SentencePiece-style vocab of the model's size: the
+benchmarks feed token ids and never tokenize text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+# HF (per layer, after "model.layers.N.") -> GGUF (after "blk.N.")
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}
+
+
+def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
+    """HF's [first half | second half] rotary row order -> llama.cpp's interleaved pairs."""
+    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+            .swapaxes(1, 2).reshape(w.shape))
+
+
+def gguf_tensors(state: dict[str, Any], config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+    """(GGUF name, float32 array) for every weight llama.cpp needs (tied LM heads are left out:
+    llama.cpp reuses token_embd when output.weight is absent)."""
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    for name, tensor in state.items():
+        array = tensor.detach().float().cpu().numpy()
+        if name in _TOP_NAMES:
+            if name == "lm_head.weight" and config.get("tie_word_embeddings"):
+                continue
+            yield _TOP_NAMES[name], array
+            continue
+        parts = name.split(".")  # model.layers.N.rest
+        if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in _LAYER_NAMES:
+            raise ValueError(f"no GGUF name for the HF tensor {name!r}: only Llama-family models convert")
+        rest = ".".join(parts[3:])
+        if rest.startswith("self_attn.q_proj"):
+            array = permute_rope(array, heads)
+        elif rest.startswith("self_attn.k_proj"):
+            array = permute_rope(array, kv_heads)
+        yield f"blk.{parts[2]}.{_LAYER_NAMES[rest]}", array
+
+
+def _add_hparams(writer: Any, config: dict[str, Any]) -> None:
+    import gguf
+
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    rope = config.get("rope_parameters") or {}
+    writer.add_name("pagedllm-bench")
+    writer.add_context_length(config.get("max_position_embeddings", 2048))
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
+    writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+
+
+def _add_dummy_vocab(writer: Any, config: dict[str, Any]) -> None:
+    """``vocab_size`` tokens: BOS/EOS as control tokens, the 256 byte tokens, then ``t<id>``."""
+    import gguf
+
+    vocab = config["vocab_size"]
+    bos = _token_id(config.get("bos_token_id"), 0)
+    eos = _token_id(config.get("eos_token_id"), 1)
+    tokens, types = [], []
+    next_byte = 0
+    for i in range(vocab):
+        if i in (bos, eos):
+            tokens.append("<s>" if i == bos else "</s>")
+            types.append(gguf.TokenType.CONTROL)
+        elif next_byte < 256:
+            tokens.append(f"<0x{next_byte:02X}>")
+            types.append(gguf.TokenType.BYTE)
+            next_byte += 1
+        else:
+            tokens.append(f"t{i}")
+            types.append(gguf.TokenType.NORMAL)
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([0.0] * vocab)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(bos)
+    writer.add_eos_token_id(eos)
+    writer.add_add_bos_token(False)
+
+
+def _token_id(value: Any, default: int) -> int:
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, int) else default
+
+
+def write_gguf(state: dict[str, Any], config: dict[str, Any], path: Path) -> Path:
+    """Write ``state`` (an HF Llama state dict) with ``config`` (its config.json dict) to ``path``."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    _add_hparams(writer, config)
+    _add_dummy_vocab(writer, config)
+    for name, array in gguf_tensors(state, config):
+        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
