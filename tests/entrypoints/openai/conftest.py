@@ -20,6 +20,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, so an interrupted run leaves no server."""
+    import ctypes
+
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class RemoteServer:
     """Starts ``python -m pagedllm.entrypoints.cli serve MODEL ARGS`` and waits for /health."""
 
@@ -32,7 +39,8 @@ class RemoteServer:
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedllm-server-{self.port}.log"
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True)
+                                     env={**os.environ, **(env or {})}, start_new_session=True,
+                                     preexec_fn=_die_with_parent)
         self._wait_ready(start_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
