@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_gather, all_reduce, get_tp_rank, get_tp_size
-from pagedllm.layers.linear import ShardId, copy_checked
+from pagedllm.layers.linear import ShardId, copy_checked, cpu_gemm_weight, linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -46,12 +46,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     embedding's parameter to ``self.weight`` (same shape and vocab split)."""
 
     def process_weights_after_loading(self) -> None:
-        """Column-major like the linears (see ``to_column_major``). A tied head gets its own
-        copy: the embedding lookup needs rows contiguous, the head needs columns."""
-        if self.weight.device.type != "cpu":
-            return
-        self.weight = nn.Parameter(self.weight.data.t().contiguous().t(), requires_grad=False)
+        """The CPU GEMM layout of the linears (``cpu_gemm_weight``). A tied head gets its own
+        copy: the embedding lookup needs the plain row-major table."""
+        self.weight = cpu_gemm_weight(self.weight)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = all_gather(F.linear(hidden_states, self.weight), dim=-1)
+        logits = all_gather(linear(hidden_states, self.weight), dim=-1)
         return logits[..., :self.num_embeddings]  # drop the padding rows of the last shard

@@ -41,7 +41,7 @@ def load(path, config, **kw):
 def test_loads_every_parameter(llama_dir, config):
     model = load(llama_dir, config)
     tensors = load_file(llama_dir / "model.safetensors")
-    torch.testing.assert_close(model.model.layers[1].self_attn.qkv_proj.weight,
+    torch.testing.assert_close(_dense(model.model.layers[1].self_attn.qkv_proj.weight),
                                torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
     assert not model.training and not any(p.requires_grad for p in model.parameters())
 
@@ -81,16 +81,24 @@ def test_tied_checkpoint_may_carry_lm_head(tmp_path):
                         lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
     for p in (src, path):
         model = load(p, config)
-        # Same values; on CPU the head holds its own column-major copy (see to_column_major).
-        assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+        # Same values; on CPU the head holds its own GEMM-layout copy (see cpu_gemm_weight).
+        assert torch.equal(_dense(model.lm_head.weight), model.model.embed_tokens.weight)
 
 
-def test_cpu_weights_are_column_major_after_loading(llama_dir, config):
+def _dense(w):
+    return w.to_dense() if w.layout == torch._mkldnn else w
+
+
+def test_cpu_weights_get_the_gemm_layout_after_loading(llama_dir, config, monkeypatch):
     model = load(llama_dir, config)
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
-    assert qkv.t().is_contiguous() and not qkv.is_contiguous()
-    assert model.lm_head.weight.t().is_contiguous()
-    assert model.model.embed_tokens.weight.is_contiguous()  # lookups need rows
+    if torch.backends.mkldnn.is_available():
+        assert qkv.layout == torch._mkldnn and model.lm_head.weight.layout == torch._mkldnn
+    assert model.model.embed_tokens.weight.is_contiguous()  # lookups need the plain table
+    monkeypatch.setenv("PAGEDLLM_ONEDNN", "0")
+    plain = load(llama_dir, config).model.layers[0].self_attn.qkv_proj.weight
+    assert plain.t().is_contiguous() and not plain.is_contiguous()  # the column-major fallback
+    assert torch.equal(plain, _dense(qkv))
 
 
 def test_no_safetensors_suggests_dummy(llama_dir, config, tmp_path):
@@ -131,7 +139,7 @@ def test_dummy_weights_need_no_files(config):
     model = load_model(None, config, load_format="dummy", dtype=torch.float32, device=CPU, seed=1)
     again = load_model(None, config, load_format="dummy", dtype=torch.float32, device=CPU, seed=1)
     other = load_model(None, config, load_format="dummy", dtype=torch.float32, device=CPU, seed=2)
-    params, same, different = (dict(m.named_parameters()) for m in (model, again, other))
+    params, same, different = ({n: _dense(p) for n, p in m.named_parameters()} for m in (model, again, other))
     assert all(torch.equal(p, same[n]) for n, p in params.items())
     assert not torch.equal(params["lm_head.weight"], different["lm_head.weight"])
     assert torch.equal(params["model.norm.weight"], torch.ones(config.hidden_size))
