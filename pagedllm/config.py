@@ -19,6 +19,7 @@ _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp1
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
+_STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
 GiB = 1 << 30
 
 
@@ -63,6 +64,12 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    backend: str = "xgrammar"
+    compile_timeout_s: float = 30.0  # a constraint that takes longer to compile fails its request
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -70,6 +77,7 @@ class EngineConfig:
     parallel_config: ParallelConfig
     device: str  # cpu | cuda
     attention_backend: str | None = None
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
 
     def kv_bytes_per_block(self) -> int:
         arch = self.model_config.arch
@@ -104,6 +112,8 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     num_gpu_blocks_override: int | None = None
     attention_backend: str | None = None
+    structured_outputs_backend: str = "xgrammar"
+    structured_outputs_compile_timeout: float = 30.0  # seconds
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -118,7 +128,8 @@ class EngineArgs:
         model_config = self._model_config(model_dir, arch, device)
         scheduler_config = self._scheduler_config(model_config.max_model_len)
         config = EngineConfig(model_config, self._cache_config(), scheduler_config,
-                              self._parallel_config(), device, self.attention_backend)
+                              self._parallel_config(), device, self.attention_backend,
+                              self._structured_outputs_config())
         _check_kv_budget(config)
         return config
 
@@ -163,6 +174,13 @@ class EngineArgs:
             batched = 2048  # chunked prefill is always on: long prompts are split across steps
         _positive("max_num_batched_tokens", batched)
         return SchedulerConfig(self.max_num_seqs, batched, max_model_len, self.scheduling_policy)
+
+    def _structured_outputs_config(self) -> StructuredOutputsConfig:
+        _choice("structured_outputs_backend", self.structured_outputs_backend, _STRUCTURED_OUTPUTS_BACKENDS)
+        timeout = self.structured_outputs_compile_timeout
+        if not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise ValueError(f"structured_outputs_compile_timeout must be > 0 seconds, got {timeout!r}")
+        return StructuredOutputsConfig(self.structured_outputs_backend, float(timeout))
 
     def _parallel_config(self) -> ParallelConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

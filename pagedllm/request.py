@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.protocol import EngineCoreRequest, FinishReason
 from pagedllm.sampling_params import SamplingParams
@@ -17,11 +17,13 @@ class RequestStatus(enum.IntEnum):
     """Ordered: every status after PREEMPTED is a finished one."""
 
     WAITING = enum.auto()
+    WAITING_FOR_FSM = enum.auto()  # queued, but its grammar is still compiling
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH_CAPPED = enum.auto()
     FINISHED_ABORTED = enum.auto()
+    FINISHED_ERROR = enum.auto()  # e.g. its grammar failed to compile
 
     @property
     def is_finished(self) -> bool:
@@ -36,6 +38,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
     RequestStatus.FINISHED_LENGTH_CAPPED: FinishReason.LENGTH,
     RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -69,6 +72,8 @@ class Request:
         # Content hashes of the full blocks of all_token_ids, kept up to date by the KV manager.
         self.block_hashes: list[BlockHash] = []
         self.max_tokens = sampling_params.max_tokens
+        # Grammar state (pagedllm.structured_output.StructuredOutputRequest) when constrained.
+        self.structured_output: Any = None
 
     @classmethod
     def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":

@@ -8,6 +8,7 @@ and the allowed range.
 from __future__ import annotations
 
 import copy
+import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -22,6 +23,64 @@ class RequestOutputKind(IntEnum):
     CUMULATIVE = 0  # every output carries everything generated so far
     DELTA = 1  # every output carries only what is new since the last one
     FINAL_ONLY = 2  # one output, when the request finishes
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a JSON schema, any JSON object, a regex, one of several strings or
+    an EBNF/GBNF grammar: set exactly one field (vLLM's names). JSON output is compact (no free
+    whitespace), so a grammar with bounded strings, numbers and arrays always terminates."""
+
+    json: dict[str, Any] | str | None = None  # a JSON schema, as a dict or its JSON text
+    json_object: bool | None = None  # True: any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF/GBNF with a `root` rule
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(kinds) != 1:
+            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}; "
+                             f"got {kinds or 'none'}")
+        self._verify(kinds[0])
+
+    def _verify(self, kind: str) -> None:
+        value = getattr(self, kind)
+        if kind == "json":
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError as exc:
+                    raise ValueError(f"structured_outputs.json is not valid JSON ({exc})") from None
+            _check(isinstance(value, (dict, bool)), "structured_outputs.json", value, "a JSON schema (an object)")
+        elif kind == "json_object":
+            _check(value is True, "structured_outputs.json_object", value, "true")
+        elif kind == "choice":
+            _check(isinstance(value, list) and len(value) > 0 and all(isinstance(c, str) for c in value),
+                   "structured_outputs.choice", value, "a non-empty list of strings")
+        else:
+            _check(isinstance(value, str) and value.strip() != "", f"structured_outputs.{kind}", value,
+                   "a non-empty string")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: json, json_object, regex, choice or grammar."""
+        return next(name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text): equal constraints get equal keys (the grammar cache's key)."""
+        kind = self.kind
+        value = getattr(self, kind)
+        if kind == "json":
+            value = json.loads(value) if isinstance(value, str) else value
+            # Key order is kept: the output lists properties in the schema's order.
+            return kind, json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+        if kind == "choice":
+            return kind, json.dumps(value, ensure_ascii=False)
+        return kind, "" if kind == "json_object" else value
+
+
+_STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass
@@ -52,6 +111,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
     # Filled in by the engine, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set)
 
@@ -70,6 +130,8 @@ class SamplingParams:
         if self.logit_bias is not None:
             self.logit_bias = _parse_logit_bias(self.logit_bias)
         self.output_kind = RequestOutputKind(self.output_kind)
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect, normalise them away.
@@ -115,6 +177,11 @@ class SamplingParams:
             _check(len(self.allowed_token_ids) > 0, "allowed_token_ids", self.allowed_token_ids, "a non-empty list")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; use stop_token_ids instead")
+        if self.structured_outputs is not None:
+            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
+                   self.structured_outputs, "a StructuredOutputsParams (or a dict of its fields)")
+            # The grammar decides where the output ends; masking its end tokens would leave nothing.
+            _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "0 when structured_outputs is set")
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Check the token ids a user passed against the model's vocabulary."""

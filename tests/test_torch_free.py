@@ -19,6 +19,10 @@ TORCH_FREE_MODULES = [
     "pagedllm.request",
     "pagedllm.sampling_params",
     "pagedllm.config",
+    "pagedllm.structured_output.backend",
+    "pagedllm.structured_output.compiler",
+    "pagedllm.structured_output.request",
+    "pagedllm.structured_output.manager",
 ]
 BLOCKED = ["torch", "numpy"]
 

@@ -6,6 +6,7 @@ New requests travel in full once; after that only diffs (new block ids, computed
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagedllm.sampling_params import SamplingParams
 
@@ -48,6 +49,10 @@ class SchedulerOutput:
     # Requests that finished or were aborted since the last step: workers drop their state.
     finished_req_ids: set[str]
     preempted_req_ids: set[str] = field(default_factory=set)
+    # Constrained requests that sample this step, in batch order; the engine core then sets
+    # ``grammar_bitmask`` (a structured_output.manager.GrammarBitmask) with one row for each.
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def is_empty(self) -> bool:

@@ -5,16 +5,19 @@ whose KV is in the cache). Each step gives requests ``num_new_tokens`` so that c
 up with total, under the token budget and the sequence cap. Running requests go first, then
 waiting ones. When blocks run out the lowest-priority (or, FCFS, the latest) running request
 is preempted: its blocks are freed, its computed count reset, and it goes back to the front.
+A constrained request whose grammar is still compiling waits in ``compiling`` (status
+WAITING_FOR_FSM) and joins the queue once its grammar is ready; the others run meanwhile.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from pagedllm.config import CacheConfig, SchedulerConfig
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
@@ -56,6 +59,8 @@ class Scheduler:
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
+        self.compiling: list[Request] = []  # WAITING_FOR_FSM: grammar not ready yet
+        self._pending_outputs: list[EngineCoreOutput] = []  # requests that failed outside a step
         self.num_preemptions = 0  # since the last stats snapshot
         self.total_preemptions = 0
 
@@ -63,7 +68,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; it is scheduled from the next step on."""
         self.requests[request.request_id] = request
-        self.waiting.add(request)
+        if request.status == RequestStatus.WAITING_FOR_FSM:
+            self.compiling.append(request)
+        else:
+            self.waiting.add(request)
 
     def finish_requests(self, request_ids: list[str] | set[str], status: RequestStatus) -> None:
         """Abort or finish requests from outside the step loop; their blocks return at once."""
@@ -73,20 +81,23 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.WAITING_FOR_FSM:
+                self.compiling.remove(request)
             else:
                 self.waiting.remove(request)
             self._free_request(request, status)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.compiling)
 
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones."""
         plan = _StepPlan(token_budget=self.config.max_num_batched_tokens)
+        self._admit_compiled()
         self._schedule_running(plan)
         if not plan.preempted:
             self._schedule_waiting(plan)
@@ -95,6 +106,29 @@ class Scheduler:
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
         return output
+
+    def _admit_compiled(self) -> None:
+        """Queue the requests whose grammar is ready; fail those whose compile failed or timed out."""
+        if not self.compiling:
+            return
+        now = time.monotonic()
+        still_compiling = []
+        for request in self.compiling:
+            if request.structured_output.poll(now):
+                request.status = RequestStatus.WAITING
+                self.waiting.add(request)
+            elif request.structured_output.error is not None:
+                self._fail(request, request.structured_output.error)
+            else:
+                still_compiling.append(request)
+        self.compiling = still_compiling
+
+    def _fail(self, request: Request, message: str) -> None:
+        """Finish a request that never ran with an error the front end reports."""
+        request.stop_reason = message
+        self._free_request(request, RequestStatus.FINISHED_ERROR)
+        self._pending_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
+                                                      stop_reason=message))
 
     def _schedule_running(self, plan: _StepPlan) -> None:
         # A snapshot: preemption removes entries from self.running as we go.
@@ -189,13 +223,23 @@ class Scheduler:
             cached.add(r.request_id, resumed, block_ids, r.num_computed_tokens)
         return SchedulerOutput(new_reqs, cached, dict(plan.num_scheduled_tokens),
                                sum(plan.num_scheduled_tokens.values()), set(self.finished_req_ids),
-                               {r.request_id for r in plan.preempted})
+                               {r.request_id for r in plan.preempted}, self._structured_rows(plan))
+
+    def _structured_rows(self, plan: _StepPlan) -> list[str]:
+        """Constrained requests that sample this step (their computed count reaches their end)."""
+        rows = []
+        for req_id, num_tokens in plan.num_scheduled_tokens.items():
+            request = self.requests[req_id]
+            if (request.structured_output is not None
+                    and request.num_computed_tokens + num_tokens == request.num_tokens):
+                rows.append(req_id)
+        return rows
 
     # ------------------------------------------------------------------ update
     def update_from_output(self, scheduler_output: SchedulerOutput,
                            runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, free finished requests."""
-        outputs = []
+        outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
@@ -222,12 +266,19 @@ class Scheduler:
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
+        grammar = request.structured_output
+        if grammar is not None and not grammar.accept(token):
+            # Only when another constraint (e.g. allowed_token_ids) left the grammar no token.
+            request.stop_reason = f"the sampled token {token} is not allowed by the request's grammar"
+            return RequestStatus.FINISHED_ERROR
         if request.num_output_tokens >= params.min_tokens:
             if token == request.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.all_stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
+        if grammar is not None and grammar.is_terminated():
+            return RequestStatus.FINISHED_STOPPED  # its end token even with ignore_eos
         if request.max_tokens is not None and request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         if request.num_tokens >= self.max_model_len:
@@ -254,7 +305,7 @@ class Scheduler:
     # ------------------------------------------------------------------ stats
     def make_stats(self) -> SchedulerStats:
         queries, hits = self.kv_cache_manager.make_prefix_cache_stats()
-        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
+        stats = SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv_cache_manager.usage,
                                queries, hits, self.num_preemptions)
         self.num_preemptions = 0
         return stats

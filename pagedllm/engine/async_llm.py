@@ -37,6 +37,9 @@ class AsyncLLM:
         self.stats_tracker = IterationStatsTracker()
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
         self.latest_scheduler_stats = SchedulerStats()
+        # xgrammar (and torch, which it imports) + tokenizer info load while the engine process starts,
+        # not on the event loop's time at the first constrained request.
+        self.input_processor.grammar_compiler.warm_up()
         self.client = AsyncMPClient(config)
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -68,6 +71,7 @@ class AsyncLLM:
                 if isinstance(item, Exception):
                     raise item
                 finished = item.finished
+                _raise_engine_error(item)
                 yield item
         finally:
             self._queues.pop(request_id, None)
@@ -82,7 +86,11 @@ class AsyncLLM:
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
         request, text = self.input_processor.process(request_id, prompt, params, priority=priority,
-                                                     cache_salt=cache_salt, strict_max_tokens=strict_max_tokens)
+                                                     cache_salt=cache_salt, strict_max_tokens=strict_max_tokens,
+                                                     check_grammar=False)
+        await self.check_structured_outputs(params)
+        if request_id in self._queues:  # taken while the grammar compiled
+            raise ValueError(f"request id {request_id!r} is already in use")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._ensure_output_task()
@@ -96,6 +104,12 @@ class AsyncLLM:
             await asyncio.shield(self.abort(request_id))
             raise
         return queue
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """Compile the request's constraint (cached) in a thread; ValueError if it is invalid or too
+        slow to compile. Returns without awaiting when there is none or it is cached."""
+        if params.structured_outputs is not None:
+            await self.input_processor.grammar_compiler.acheck(params.structured_outputs)
 
     def _fan_out(self, request: EngineCoreRequest, text: str | None, params: SamplingParams,
                  queue: asyncio.Queue) -> list[EngineCoreRequest]:
@@ -194,3 +208,11 @@ class AsyncLLM:
         if self._output_task is not None:
             self._output_task.cancel()
         self.client.shutdown()
+
+
+def _raise_engine_error(output: RequestOutput) -> None:
+    """A request the engine could not serve (e.g. its grammar failed to compile there) is the
+    client's error: raise it as ValueError (a 400 on the server)."""
+    for completion in output.outputs:
+        if completion.finish_reason == "error":
+            raise ValueError(str(completion.stop_reason or "the engine could not serve this request"))

@@ -9,14 +9,20 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
 from pagedllm.request import Request, RequestStatus
+from pagedllm.structured_output.compiler import GrammarCompiler
+from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+_COMPILE_WAIT_S = 0.01  # idle wait for a grammar when compiling requests are all there is
 
 
 class EngineCore:
     """Owns the scheduler (and through it the KV manager) and the executor."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, grammar_compiler: GrammarCompiler | None = None) -> None:
+        """``grammar_compiler``: share the front end's (in-process engines) so a constraint the
+        front end checked is not compiled twice."""
         from pagedllm.executor.uniproc import UniProcExecutor
 
         start = time.perf_counter()
@@ -25,6 +31,7 @@ class EngineCore:
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
         self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks)
+        self.structured_output_manager = StructuredOutputManager(config, grammar_compiler)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %s", self.startup_seconds, self.capacity_summary())
 
@@ -36,7 +43,9 @@ class EngineCore:
                 f"{usable // per_req} requests of max_model_len={self.config.model_config.max_model_len} fit")
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        self.scheduler.add_request(Request.from_engine_core_request(request))
+        req = Request.from_engine_core_request(request)
+        self.structured_output_manager.grammar_init(req)  # compiles in the background
+        self.scheduler.add_request(req)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
@@ -49,6 +58,10 @@ class EngineCore:
         if not self.scheduler.has_unfinished_requests():
             return EngineCoreOutputs(scheduler_stats=self.scheduler.make_stats())
         sched = self.scheduler.schedule()
+        if sched.is_empty and self.scheduler.compiling:
+            self.structured_output_manager.wait_for_compiles(self.scheduler.compiling, _COMPILE_WAIT_S)
+        sched.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
+            sched.structured_output_request_ids, self.scheduler.requests)
         runner_output = self.executor.execute_model(sched)
         return self.scheduler.update_from_output(sched, runner_output)
 

@@ -33,6 +33,7 @@ class EngineCoreProc:
         from pagedllm.engine.core import EngineCore
 
         self.core = EngineCore(config)
+        self.core.structured_output_manager.compiler.warm_up()
         self.ctx = zmq.Context()
         self.input = self.ctx.socket(zmq.PULL)
         self.input.connect(input_addr)

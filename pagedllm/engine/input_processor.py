@@ -9,6 +9,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.engine.tokenizer import generation_eos_token_ids
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.structured_output.manager import make_grammar_compiler
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
 PromptType = Union[str, list[int], dict[str, Any]]
@@ -24,6 +25,8 @@ class InputProcessor:
         if self.eos_token_id is None and config.model_config.arch.eos_token_ids:
             self.eos_token_id = config.model_config.arch.eos_token_ids[0]
         self.extra_eos_ids = generation_eos_token_ids(config.model_config.model)
+        # Compiles each new constraint once, off the engine loop, to reject bad ones at intake.
+        self.grammar_compiler = make_grammar_compiler(config, tokenizer)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -40,9 +43,13 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: PromptType, params: SamplingParams,
                 arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None,
-                strict_max_tokens: bool = False) -> tuple[EngineCoreRequest, str | None]:
+                strict_max_tokens: bool = False,
+                check_grammar: bool = True) -> tuple[EngineCoreRequest, str | None]:
         """Validate and build the core request. ``strict_max_tokens``: too-long max_tokens is an
-        error (the server's behaviour) instead of being capped by max_model_len."""
+        error (the server's behaviour) instead of being capped by max_model_len. ``check_grammar``:
+        compile a structured-output constraint here, blocking (async callers use ``acheck``)."""
+        if check_grammar and params.structured_outputs is not None:
+            self.grammar_compiler.check(params.structured_outputs)
         text, token_ids = self.tokenize(prompt)
         self._validate_prompt(token_ids)
         params = self._finalize_params(params, len(token_ids), strict_max_tokens)

@@ -22,7 +22,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, self.input_processor.grammar_compiler)
         self._ids = itertools.count()
 
     @classmethod

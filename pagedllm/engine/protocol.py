@@ -20,6 +20,7 @@ class FinishReason(enum.IntEnum):
     STOP = 0  # EOS, a stop token id or a stop string
     LENGTH = 1  # max_tokens or max_model_len reached
     ABORT = 2  # aborted by the client or the engine
+    ERROR = 3  # the engine could not serve it (stop_reason says why), e.g. a grammar that failed to compile
 
     def __str__(self) -> str:
         return self.name.lower()
@@ -53,7 +54,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None  # for prompt positions 1..n-1 (chunks arrive in order)
     finish_reason: FinishReason | None = None
-    stop_reason: int | str | None = None  # the stop token id that ended it
+    stop_reason: int | str | None = None  # the stop token id that ended it; the message of an ERROR
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
     @property

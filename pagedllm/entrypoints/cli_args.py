@@ -36,6 +36,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="tensor-parallel ranks; accepted and validated, only 1 is supported for now (default 1)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model directory")
+    g.add_argument("--structured-outputs-backend", default="xgrammar", choices=["xgrammar"],
+                   help="grammar engine for JSON schema / regex / choice / grammar outputs (default xgrammar)")
+    g.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="a constraint that does not compile within this time is rejected (400) (default 30)")
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -51,6 +55,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chat-template", default=None, metavar="FILE_OR_JINJA",
                    help="chat template for /v1/chat/completions: a file path or an inline Jinja string "
                         "(default: the tokenizer's own template)")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let tool_choice "auto" (the default when a chat request has tools) parse tool calls out of '
+                        "the model's text; needs --tool-call-parser")
+    g.add_argument("--tool-call-parser", default=None, choices=["hermes", "llama3_json"],
+                   help="the model's tool-call format: hermes (<tool_call>{...}</tool_call>, Hermes/Qwen) or "
+                        "llama3_json (a bare {\"name\", \"parameters\"} object, Llama 3.x)")
     g.add_argument("--uvicorn-log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of uvicorn (default info)")

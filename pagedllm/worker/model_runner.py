@@ -14,6 +14,7 @@ from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.models.loader import load_model
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
+from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.input_batch import BatchInputs, CachedRequestState, prepare_inputs, update_states
 
 logger = logging.getLogger(__name__)
@@ -69,11 +70,13 @@ class ModelRunner:
         output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids})
         self._compute_prompt_logprobs(batch, hidden, output)
         if batch.sample_req_ids:
-            self._sample(batch, hidden, output)
+            self._sample(batch, hidden, output, sched.grammar_bitmask)
         return output
 
-    def _sample(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+    def _sample(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
+                grammar_bitmask=None) -> None:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
+        apply_grammar_bitmask(logits, grammar_bitmask, batch.sample_req_ids)  # constrained rows only
         states = [self.requests[r] for r in batch.sample_req_ids]
         metadata = SamplingMetadata.from_params(
             [s.sampling_params for s in states], [s.prompt_token_ids for s in states],

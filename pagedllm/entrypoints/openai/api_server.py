@@ -54,6 +54,7 @@ class ServerOptions:
     api_keys: list[str]
     chat_template: str | None
     max_waiting_requests: int
+    tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls in this format
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ServerOptions":
@@ -62,7 +63,19 @@ class ServerOptions:
         if waiting < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {waiting}")
         keys = load_api_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
-        return cls(list(names), keys, resolve_chat_template(getattr(args, "chat_template", None)), waiting)
+        return cls(list(names), keys, resolve_chat_template(getattr(args, "chat_template", None)), waiting,
+                   _tool_call_parser(args))
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    parser = getattr(args, "tool_call_parser", None)
+    if not getattr(args, "enable_auto_tool_choice", False):
+        return None
+    if parser not in TOOL_PARSERS:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser, one of {', '.join(TOOL_PARSERS)}")
+    return parser
 
 
 def resolve_chat_template(value: str | None) -> str | None:
@@ -137,7 +150,7 @@ def _load_handlers(engine: Any, options: ServerOptions) -> dict:
     handlers: dict = {}
     chat_cls = _optional_class("serving_chat", "OpenAIServingChat")
     if chat_cls is not None:
-        handlers["chat"] = chat_cls(engine, names, options.chat_template)
+        handlers["chat"] = chat_cls(engine, names, options.chat_template, options.tool_call_parser)
     completion_cls = _optional_class("serving_completion", "OpenAIServingCompletion")
     if completion_cls is not None:
         handlers["completion"] = completion_cls(engine, names)

@@ -25,3 +25,11 @@ def error_response(message: str, status: int = 400, param: str | None = None, er
                    headers: dict[str, str] | None = None) -> JSONResponse:
     """A JSONResponse carrying an OpenAI-style error body; the message says what to change."""
     return JSONResponse(error_body(message, status, param, err_type), status_code=status, headers=headers)
+
+
+class RequestParamError(ValueError):
+    """A ValueError about one request field: the 400 names ``param``."""
+
+    def __init__(self, message: str, param: str | None) -> None:
+        super().__init__(message)
+        self.param = param

@@ -8,11 +8,15 @@ Responses are built as plain dicts in ``serving_common`` (cheaper per streamed t
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pagedllm.sampling_params import RequestOutputKind, SamplingParams
+from pagedllm.entrypoints.openai.errors import RequestParamError
+from pagedllm.entrypoints.openai.structured import ChatTool, NamedToolChoice, StructuredRequestMixin, ToolChoice
+from pagedllm.entrypoints.openai.tool_calls import tool_choice_schema
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_N = 128  # OpenAI's limit on choices per request
@@ -39,11 +43,23 @@ class TextContentPart(OpenAIBaseModel):
         return self
 
 
+class ToolCallFunction(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(OpenAIBaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an earlier assistant turn's calls
 
     def to_template_dict(self) -> dict[str, Any]:
         """The message as chat templates expect it: content always a string."""
@@ -54,10 +70,15 @@ class ChatMessage(OpenAIBaseModel):
         for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls:
+            # Templates render arguments as objects (``tojson``): pass them parsed.
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _parse_arguments(c.function.arguments)}}
+                for c in self.tool_calls]
         return message
 
 
-class _SamplingRequest(OpenAIBaseModel):
+class _SamplingRequest(OpenAIBaseModel, StructuredRequestMixin):
     """Fields shared by chat and completion requests (OpenAI's and vLLM's extras)."""
 
     model: str | None = None
@@ -94,8 +115,9 @@ class _SamplingRequest(OpenAIBaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, structured: StructuredOutputsParams | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
+            structured_outputs=structured,
             n=self.n, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
             stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -117,6 +139,9 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True
 
     @field_validator("messages")
     @classmethod
@@ -131,11 +156,43 @@ class ChatCompletionRequest(_SamplingRequest):
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
 
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """"none", "auto", "required" or a named function (OpenAI's defaults)."""
+        if not self.tools:
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
+
+    def check_tool_choice(self) -> None:
+        """RequestParamError (param tool_choice) for a choice the tools cannot satisfy."""
+        choice = self.tool_choice
+        if choice not in (None, "none") and not self.tools:
+            raise RequestParamError("tool_choice needs tools: pass the functions the model may call", "tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            names = [t.function.name for t in self.tools or []]
+            if choice.function.name not in names:
+                raise RequestParamError(f"tool_choice names the function {choice.function.name!r}, which is not in "
+                                        f"tools (available: {', '.join(names)})", "tool_choice")
+
     def to_sampling_params(self) -> SamplingParams:
         """Raises ValueError (naming the field) for out-of-range values."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs())
+        structured, _ = self.constraint()
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **self._sampling_kwargs(structured))
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The output constraint and the field it comes from: a forced tool call's schema, or one
+        of the structured-output fields."""
+        self.check_tool_choice()
+        structured, param = self.structured_outputs_params()
+        schema = tool_choice_schema(self.tools or [], self.effective_tool_choice, bool(self.parallel_tool_calls))
+        if schema is None:
+            return structured, param
+        if structured is not None:
+            raise RequestParamError(f"tool_choice {self.effective_tool_choice!r} already constrains the output; "
+                                    f"drop {param}", param)
+        return StructuredOutputsParams(json=schema), "tools"
 
 
 class CompletionRequest(_SamplingRequest):
@@ -168,8 +225,12 @@ class CompletionRequest(_SamplingRequest):
 
     def to_sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        structured, _ = self.constraint()
         return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
-                              **self._sampling_kwargs())
+                              **self._sampling_kwargs(structured))
+
+    def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        return self.structured_outputs_params()
 
 
 def _parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
@@ -179,3 +240,10 @@ def _parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bad:
         raise ValueError(f"logit_bias keys must be token ids (integers written as strings), got {bad[:5]}")
     return {int(key): value for key, value in bias.items()}
+
+
+def _parse_arguments(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

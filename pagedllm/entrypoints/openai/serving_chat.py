@@ -8,9 +8,12 @@ from typing import Any, AsyncIterator, Iterable
 from fastapi import Request
 from fastapi.responses import Response
 
+from pagedllm.entrypoints.openai.errors import RequestParamError
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, OutputStream, UsageCounter, clamp_logprob,
                                                         now_s, random_id, sse, token_text, value_error_response)
+from pagedllm.entrypoints.openai.tool_calls import NamedToolCall, RequiredToolCalls, ToolCallExtractor
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 # Keys the handler sets itself; chat_template_kwargs may not override them.
@@ -21,9 +24,13 @@ _RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "chat_template", "add_g
 class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
 
-    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None) -> None:
+    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None,
+                 tool_call_parser: str | None = None) -> None:
+        """``tool_call_parser``: how ``tool_choice: "auto"`` finds calls in the text (None: "auto"
+        is refused, as vLLM does without --enable-auto-tool-choice)."""
         super().__init__(engine, served_model_names)
         self.chat_template = _load_template(chat_template)
+        self.tool_call_parser = tool_call_parser
 
     async def create_chat_completion(self, body: dict, raw_request: Request) -> Response:
         request, error = self.parse(body, ChatCompletionRequest)
@@ -31,13 +38,21 @@ class OpenAIServingChat(OpenAIServing):
             return error
         try:
             params = request.to_sampling_params()
+            self._check_auto_tools(request)
             prompt_ids = self.render(request)
+            await self.check_constraint(params, request.constraint()[1])
         except ValueError as exc:
             return value_error_response(exc, body, self.prompt_param)
         request_id = random_id("chatcmpl")
         stream = self.start([{"prompt_token_ids": prompt_ids}], params, request_id, request)
-        shape = _ChatShape(request, request_id)
+        shape = _ChatShape(request, request_id, self.tool_call_parser)
         return await self.respond(stream, raw_request, body, bool(request.stream), shape.events, shape.body)
+
+    def _check_auto_tools(self, request: ChatCompletionRequest) -> None:
+        if request.effective_tool_choice == "auto" and self.tool_call_parser is None:
+            raise RequestParamError('tool_choice "auto" (the default when tools are given) needs a server started '
+                                    'with --enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice '
+                                    '"required", "none" or a named function', "tool_choice")
 
     def render(self, request: ChatCompletionRequest) -> list[int]:
         """The conversation as prompt token ids; the rendered template already holds BOS."""
@@ -50,6 +65,8 @@ class OpenAIServingChat(OpenAIServing):
         if reserved:
             raise ValueError(f"chat_template_kwargs must not set {reserved}")
         messages = [message.to_template_dict() for message in request.messages]
+        if request.effective_tool_choice != "none":
+            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
         try:
             ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=self.chat_template,
                                                 add_generation_prompt=request.add_generation_prompt, **kwargs)
@@ -69,18 +86,40 @@ def _load_template(template: str | None) -> str | None:
 class _ChatShape:
     """Builds one request's response body or SSE chunks from engine outputs."""
 
-    def __init__(self, request: ChatCompletionRequest, request_id: str) -> None:
+    def __init__(self, request: ChatCompletionRequest, request_id: str, tool_call_parser: str | None = None) -> None:
         self.request = request
         self.num_top = request.top_logprobs or 0
         self.base = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": request.model}
+        self.tool_call_parser = tool_call_parser
+        self.extractors: dict[int, ToolCallExtractor | None] = {}  # by choice index, while streaming
+
+    def _extractor(self) -> ToolCallExtractor | None:
+        choice = self.request.effective_tool_choice
+        if choice == "none" or (choice == "auto" and self.tool_call_parser is None):
+            return None
+        if choice == "auto":
+            return TOOL_PARSERS[self.tool_call_parser]()
+        return RequiredToolCalls() if choice == "required" else NamedToolCall(choice.function.name)
 
     def body(self, outputs: dict[int, RequestOutput]) -> dict:
         output = outputs[0]
         usage = UsageCounter()
         usage.add(0, output)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._logprobs(c), "finish_reason": c.finish_reason} for c in output.outputs]
+        choices = [self._choice(c) for c in output.outputs]
         return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage.usage()}
+
+    def _choice(self, completion: CompletionOutput) -> dict:
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        finish_reason = completion.finish_reason
+        extractor = self._extractor()
+        forced = self.request.effective_tool_choice != "auto"
+        if extractor is not None and (finish_reason == "stop" or not forced):
+            content, calls = extractor.extract(completion.text)
+            if calls:
+                message.update(content=content, tool_calls=calls)
+                finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return {"index": completion.index, "message": message, "logprobs": self._logprobs(completion),
+                "finish_reason": finish_reason}
 
     async def events(self, stream: OutputStream) -> AsyncIterator[str]:
         usage = UsageCounter()
@@ -97,11 +136,32 @@ class _ChatShape:
             yield sse({**self.base, "choices": [], "usage": usage.usage()})
 
     def _completion_chunks(self, completion: CompletionOutput) -> list[str]:
+        if completion.index not in self.extractors:
+            self.extractors[completion.index] = self._extractor()
+        extractor = self.extractors[completion.index]
+        if extractor is not None:
+            return self._tool_chunks(completion, extractor)
         chunks = []
         if completion.text or (self.request.logprobs and completion.token_ids):
             chunks.append(self._chunk(completion.index, {"content": completion.text}, self._logprobs(completion)))
         if completion.finish_reason is not None:
             chunks.append(self._chunk(completion.index, {}, finish_reason=completion.finish_reason))
+        return chunks
+
+    def _tool_chunks(self, completion: CompletionOutput, extractor: ToolCallExtractor) -> list[str]:
+        """Content and tool-call deltas as the extractor finds them; logprobs ride on the first."""
+        deltas = extractor.feed(completion.text) if completion.text else []
+        if completion.finish_reason is not None:
+            deltas += extractor.finish()
+        logprobs = self._logprobs(completion) if completion.token_ids else None
+        if logprobs is not None and not deltas:
+            deltas = [{}]
+        chunks = [self._chunk(completion.index, delta, logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
+        if completion.finish_reason is not None:
+            finish_reason = completion.finish_reason
+            if extractor.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            chunks.append(self._chunk(completion.index, {}, finish_reason=finish_reason))
         return chunks
 
     def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from pagedllm.engine.core_client import EngineDeadError
-from pagedllm.entrypoints.openai.errors import error_body, error_response
+from pagedllm.entrypoints.openai.errors import RequestParamError, error_body, error_response
 from pagedllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def _type_error_message(first: dict, same_field: list[dict], body: Any) -> str:
 def value_error_response(exc: ValueError, body: Any, prompt_param: str) -> JSONResponse:
     """An engine/SamplingParams ValueError as a 400; the message says what to change."""
     message = str(exc)
-    param = _param_from_message(message, body)
+    param = exc.param if isinstance(exc, RequestParamError) else _param_from_message(message, body)
     if param is None:
         param = "max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message else None
     if param == "max_tokens" and isinstance(body, dict) and body.get("max_completion_tokens") is not None:
@@ -280,6 +280,14 @@ class OpenAIServing:
         model, error = check_model(request.model, self.served_model_names)
         request.model = model
         return request, error
+
+    async def check_constraint(self, params: Any, param: str | None) -> None:
+        """Compile the request's output constraint before anything streams: an invalid one, or one
+        that does not compile in time, is a 400 naming ``param`` (the field it came from)."""
+        try:
+            await self.engine.check_structured_outputs(params)
+        except ValueError as exc:
+            raise RequestParamError(f"{param}: {exc}" if param else str(exc), param) from None
 
     def start(self, prompts: list[Any], params: Any, request_id: str, request: Any) -> OutputStream:
         def generate(i: int, prompt: Any) -> AsyncIterator[RequestOutput]:

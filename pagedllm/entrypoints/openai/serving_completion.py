@@ -22,6 +22,7 @@ class OpenAIServingCompletion(OpenAIServing):
             return error
         try:
             params = request.to_sampling_params()
+            await self.check_constraint(params, request.constraint()[1])
         except ValueError as exc:
             return value_error_response(exc, body, self.prompt_param)
         request_id = random_id("cmpl")
