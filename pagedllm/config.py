@@ -55,6 +55,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str  # fcfs | priority
+    # Most prompt tokens one request computes in a step (0: no cap beyond the budget). A cap keeps
+    # a long prompt's prefill from stalling the decodes that share its steps.
+    long_prefill_token_threshold: int = 0
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class EngineArgs:
     seed: int = 0
     load_format: str = "auto"
     scheduling_policy: str = "fcfs"
+    long_prefill_token_threshold: int = 0
     trust_remote_code: bool = False
     device: str = "auto"
     tensor_parallel_size: int = 1
@@ -173,7 +177,10 @@ class EngineArgs:
         if batched is None:
             batched = 2048  # chunked prefill is always on: long prompts are split across steps
         _positive("max_num_batched_tokens", batched)
-        return SchedulerConfig(self.max_num_seqs, batched, max_model_len, self.scheduling_policy)
+        threshold = self.long_prefill_token_threshold
+        if not isinstance(threshold, int) or threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be an integer >= 0 (0 = off), got {threshold!r}")
+        return SchedulerConfig(self.max_num_seqs, batched, max_model_len, self.scheduling_policy, threshold)
 
     def _structured_outputs_config(self) -> StructuredOutputsConfig:
         _choice("structured_outputs_backend", self.structured_outputs_backend, _STRUCTURED_OUTPUTS_BACKENDS)

@@ -87,6 +87,7 @@ def test_unknown_architecture(llama_model_dir, tmp_path):
     ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
     ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be a positive integer"),
     ({"kv_cache_memory": 0}, "kv_cache_memory must be > 0"),
+    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be an integer >= 0"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
 ])

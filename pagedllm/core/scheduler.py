@@ -137,7 +137,7 @@ class Scheduler:
                 return
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(request.num_tokens - request.num_computed_tokens, plan.token_budget)
+            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, plan)
             if num_new <= 0:
                 continue
             # None: the request preempted itself. Under FCFS it was the last one; under the
@@ -146,6 +146,13 @@ class Scheduler:
             if block_ids is not None:
                 plan.add(request, num_new, block_ids)
                 plan.cached_reqs.append(request)
+
+    def _num_new_tokens(self, num_uncomputed: int, plan: _StepPlan) -> int:
+        """The one rule: catch up with the token count, within the budget and the chunk cap."""
+        threshold = self.config.long_prefill_token_threshold
+        if threshold:
+            num_uncomputed = min(num_uncomputed, threshold)
+        return min(num_uncomputed, plan.token_budget)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
         """Allocate slots, preempting other running requests until they fit."""
@@ -180,7 +187,7 @@ class Scheduler:
         while len(self.waiting) and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             computed_blocks, num_computed = self._lookup_prefix(request)
-            num_new = min(request.num_tokens - num_computed, plan.token_budget)
+            num_new = self._num_new_tokens(request.num_tokens - num_computed, plan)
             block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
             if block_ids is None:
                 return  # head-of-line request does not fit; keep the order

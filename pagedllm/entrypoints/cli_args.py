@@ -25,6 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="token budget per step; longer prompts are chunked (default 2048)")
+    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="most prompt tokens one request computes per step (0 = only the step budget); "
+                        "a cap keeps long prompts from stalling running decodes (lower inter-token latency)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="reuse KV blocks of shared prompt prefixes (default on)")
     g.add_argument("--seed", type=int, default=0, help="random seed for dummy weights and unseeded sampling (default 0)")

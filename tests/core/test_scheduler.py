@@ -177,9 +177,11 @@ def make_scheduler() -> Iterator[MakeScheduler]:
     made: list[tuple[Scheduler, int]] = []
 
     def make(num_blocks: int = 100, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-             max_model_len: int = 1024, policy: str = "fcfs", caching: bool = True) -> Scheduler:
+             max_model_len: int = 1024, policy: str = "fcfs", caching: bool = True,
+             long_prefill_token_threshold: int = 0) -> Scheduler:
         scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, policy),
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, policy,
+                            long_prefill_token_threshold),
             CacheConfig(block_size=BS, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
                         enable_prefix_caching=caching),
             num_blocks)
@@ -239,6 +241,25 @@ def test_prompt_filling_exact_blocks_and_no_caching(make_scheduler: MakeSchedule
 
 
 # ---- 2. chunked prefill and mixed batches --------------------------------------------------
+
+def test_long_prefill_threshold_caps_each_chunk(make_scheduler: MakeScheduler) -> None:
+    sched = make_scheduler(num_blocks=20, max_num_batched_tokens=64, long_prefill_token_threshold=24)
+    model = FakeModel(sched)
+    sched.add_request(make_request("A", 20, max_tokens=4))
+    out, _ = step(sched, model)
+    assert out.num_scheduled_tokens == {"A": 20}
+    sched.add_request(make_request("B", 60, max_tokens=2))
+    sched.add_request(make_request("C", 30, max_tokens=2))
+    # A decodes; B and C get at most 24 prompt tokens each although the budget has room for more.
+    out, _ = step(sched, model)
+    assert list(out.num_scheduled_tokens.items()) == [("A", 1), ("B", 24), ("C", 24)]
+    out, _ = step(sched, model)
+    assert list(out.num_scheduled_tokens.items()) == [("A", 1), ("B", 24), ("C", 6)]
+    out, _ = step(sched, model)
+    assert list(out.num_scheduled_tokens.items()) == [("A", 1), ("B", 12), ("C", 1)]
+    while sched.has_unfinished_requests():
+        step(sched, model)
+
 
 def test_chunked_prefill_and_mixed_batch(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=20, max_num_batched_tokens=32)
