@@ -103,3 +103,16 @@ def server(server_model_dir):
     """One server per test module, default flags, served model name 'tiny'."""
     with RemoteServer(server_model_dir, ["--served-model-name", "tiny"]) as srv:
         yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official OpenAI client pointed at the module's server."""
+    return server.openai_client()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server_model_dir):
+    from pagedllm.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(server_model_dir))

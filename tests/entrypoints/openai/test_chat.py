@@ -7,20 +7,9 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-from pagedllm.engine.tokenizer import load_tokenizer
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Tell me a story about a fox."}]
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai_client()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(server_model_dir):
-    return load_tokenizer(str(server_model_dir))
 
 
 def num_prompt_tokens(tokenizer, messages) -> int:

@@ -7,19 +7,8 @@ import openai
 import pytest
 from openai.types import Completion
 
-from pagedllm.engine.tokenizer import load_tokenizer
 
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return server.openai_client()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(server_model_dir):
-    return load_tokenizer(str(server_model_dir))
 
 
 def create(client, **kw) -> Completion:
