@@ -1,0 +1,1 @@
+"""Device kernels for the attention backends (Triton); imported only by the backend that uses them."""
