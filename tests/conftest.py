@@ -16,6 +16,18 @@ os.environ["TRANSFORMERS_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _without_cuda() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+# Triton kernels run on CPU only under its interpreter, and triton reads the flag when it is first
+# imported (by anything): set it before any test can import triton, so the kernel tests run in CI.
+if _without_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 # --- tiny random-weight HF models (the correctness oracle) ---------------------------------------
 
 TinyModelFactory = Callable[..., Path]
