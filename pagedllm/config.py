@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.models.hf_config import ModelArchConfig, load_hf_config, normalize_hf_config
@@ -118,7 +118,6 @@ class EngineArgs:
     attention_backend: str | None = None
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_compile_timeout: float = 30.0  # seconds
-    extra: dict = field(default_factory=dict)
 
     @classmethod
     def field_names(cls) -> set[str]:

@@ -36,7 +36,6 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_tracker = IterationStatsTracker()
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        self.latest_scheduler_stats = SchedulerStats()
         # xgrammar (and torch, which it imports) + tokenizer info load while the engine process starts,
         # not on the event loop's time at the first constrained request.
         self.input_processor.grammar_compiler.warm_up()
@@ -170,8 +169,6 @@ class AsyncLLM:
             for req_id in processed.reqs_to_abort:
                 self.stats_tracker.finish(req_id, "stop", now, iteration)
             await self.client.abort_requests(processed.reqs_to_abort)
-        if outputs.scheduler_stats is not None:
-            self.latest_scheduler_stats = outputs.scheduler_stats
         self._record(outputs.scheduler_stats, iteration)
 
     def _record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:

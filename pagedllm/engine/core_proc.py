@@ -40,7 +40,6 @@ class EngineCoreProc:
         self.output = self.ctx.socket(zmq.PUSH)
         self.output.connect(output_addr)
         self.encoder = msgspec.msgpack.Encoder()
-        self.request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
         self.stats_dirty = False
         self.poller = zmq.Poller()
         self.poller.register(self.input, zmq.POLLIN)

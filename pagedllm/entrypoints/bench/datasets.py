@@ -80,10 +80,6 @@ def total_prompt_tokens(requests: Sequence[BenchRequest]) -> int:
     return sum(len(r.prompt_token_ids) for r in requests)
 
 
-def total_output_tokens(requests: Sequence[BenchRequest]) -> int:
-    return sum(r.output_len for r in requests)
-
-
 def _random_ids(rng: random.Random, length: int, vocab_size: int) -> list[int]:
     return [rng.randrange(MIN_TOKEN_ID, vocab_size) for _ in range(length)]
 
