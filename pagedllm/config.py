@@ -73,6 +73,25 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer guesses ``num_speculative_tokens`` tokens per step and
+    the target model verifies them in the same forward (output unchanged, see spec_decode/)."""
+
+    method: str  # ngram | draft_model
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: shortest suffix matched
+    prompt_lookup_max: int = 4  # ngram: longest suffix matched (tried first)
+    draft_model: str | None = None  # draft_model: a local HF directory
+    draft_arch: ModelArchConfig | None = None
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots past the verified tokens a step must own: a draft model writes its own KV for
+        the bonus token and its k-1 fed-back proposals, up to k positions beyond the target's."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig
@@ -81,14 +100,19 @@ class EngineConfig:
     device: str  # cpu | cuda
     attention_backend: str | None = None
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative_config: SpeculativeConfig | None = None
 
     def kv_bytes_per_block(self) -> int:
-        arch = self.model_config.arch
-        per_token = 2 * arch.num_hidden_layers * arch.num_key_value_heads * arch.head_dim
+        """Target layers plus, with a draft model, its layers: both share every block table."""
+        archs = [self.model_config.arch]
+        if self.speculative_config is not None and self.speculative_config.draft_arch is not None:
+            archs.append(self.speculative_config.draft_arch)
+        per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in archs)
         return per_token * self.cache_config.block_size * self.model_config.dtype_bytes
 
     def blocks_per_max_len_request(self) -> int:
-        return -(-self.model_config.max_model_len // self.cache_config.block_size)
+        lookahead = 0 if self.speculative_config is None else self.speculative_config.num_lookahead_tokens
+        return -(-(self.model_config.max_model_len + lookahead) // self.cache_config.block_size)
 
 
 @dataclass
@@ -118,6 +142,10 @@ class EngineArgs:
     attention_backend: str | None = None
     structured_outputs_backend: str = "xgrammar"
     structured_outputs_compile_timeout: float = 30.0  # seconds
+    # vLLM's JSON spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}; a dict or a JSON string.
+    speculative_config: dict | str | None = None
+    speculative_model: str | None = None  # older spelling: a draft model directory, or "[ngram]"
+    num_speculative_tokens: int | None = None
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -132,7 +160,8 @@ class EngineArgs:
         scheduler_config = self._scheduler_config(model_config.max_model_len)
         config = EngineConfig(model_config, self._cache_config(), scheduler_config,
                               self._parallel_config(), device, self.attention_backend,
-                              self._structured_outputs_config())
+                              self._structured_outputs_config(),
+                              self._speculative_config(arch, model_config.max_model_len))
         _check_kv_budget(config)
         return config
 
@@ -187,6 +216,12 @@ class EngineArgs:
         if not isinstance(timeout, (int, float)) or timeout <= 0:
             raise ValueError(f"structured_outputs_compile_timeout must be > 0 seconds, got {timeout!r}")
         return StructuredOutputsConfig(self.structured_outputs_backend, float(timeout))
+
+    def _speculative_config(self, target: ModelArchConfig, max_model_len: int) -> SpeculativeConfig | None:
+        from pagedllm.spec_decode.config import build_speculative_config
+
+        return build_speculative_config(self.speculative_config, self.speculative_model,
+                                        self.num_speculative_tokens, target, max_model_len)
 
     def _parallel_config(self) -> ParallelConfig:
         _positive("tensor_parallel_size", self.tensor_parallel_size)

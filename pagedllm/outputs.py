@@ -57,6 +57,24 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding: steps that verified proposals, proposals verified, and accepted.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Share of verified proposals that were accepted (None without speculation)."""
+        if not self.spec_num_draft_tokens:
+            return None
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verifying step: the accepted proposals plus the sampled one."""
+        if not self.spec_num_drafts:
+            return None
+        return 1 + self.spec_num_accepted_tokens / self.spec_num_drafts
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -72,6 +72,8 @@ class Request:
         # Content hashes of the full blocks of all_token_ids, kept up to date by the KV manager.
         self.block_hashes: list[BlockHash] = []
         self.max_tokens = sampling_params.max_tokens
+        # Draft tokens proposed after the last step, verified in the next one (speculative decoding).
+        self.spec_token_ids: list[int] = []
         # Grammar state (pagedllm.structured_output.StructuredOutputRequest) when constrained.
         self.structured_output: Any = None
 
@@ -83,6 +85,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """What the scheduler catches ``num_computed_tokens`` up with: proposals count as tokens."""
+        return len(self.all_token_ids) + len(self.spec_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -53,6 +53,9 @@ class SchedulerOutput:
     # ``grammar_bitmask`` (a structured_output.manager.GrammarBitmask) with one row for each.
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # Speculative decoding: req_id -> the proposed tokens scheduled after its real ones (the
+    # step verifies them); requests without proposals are absent.
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:
@@ -63,12 +66,15 @@ class SchedulerOutput:
 class ModelRunnerOutput:
     """What the worker sends back after a step (plain Python data)."""
 
-    # req_id -> tokens sampled this step ([] for a prefill chunk that did not reach the end).
+    # req_id -> tokens sampled this step ([] for a prefill chunk that did not reach the end);
+    # with speculation, the accepted proposals followed by one sampled token.
     sampled_token_ids: dict[str, list[int]]
     # req_id -> logprobs rows of the sampled tokens (only requests that asked for them).
     logprobs: dict[str, "LogprobsLists"] = field(default_factory=dict)
     # req_id -> logprobs of this step's prompt positions (requests with prompt_logprobs).
     prompt_logprobs: dict[str, "LogprobsLists"] = field(default_factory=dict)
+    # req_id -> tokens proposed for the next step (speculative decoding; absent = none).
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 
 
 from pagedllm.engine.protocol import LogprobsLists  # noqa: E402  (type only; torch-free)

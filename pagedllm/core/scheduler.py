@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from pagedllm.config import CacheConfig, SchedulerConfig
+from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sched_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
-from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats
+from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats,
+                                      SpecDecodingStats)
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
@@ -34,6 +35,7 @@ class _StepPlan:
     resumed: set[str] = field(default_factory=set)
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
+    spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -44,14 +46,19 @@ class _StepPlan:
         """Undo ``add`` for a request preempted later in the same step."""
         self.token_budget += self.num_scheduled_tokens.pop(request.request_id)
         self.new_block_ids.pop(request.request_id)
+        self.spec_tokens.pop(request.request_id, None)
         self.cached_reqs.remove(request)
 
 
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int) -> None:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
+                 speculative_config: SpeculativeConfig | None = None) -> None:
         self.config = scheduler_config
+        # Slots past the scheduled tokens that a draft model writes its own KV into.
+        self.num_lookahead_tokens = 0 if speculative_config is None else speculative_config.num_lookahead_tokens
+        self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
                                                enable_caching=cache_config.enable_prefix_caching)
@@ -137,7 +144,7 @@ class Scheduler:
                 return
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = self._num_new_tokens(request.num_tokens - request.num_computed_tokens, plan)
+            num_new = self._num_new_tokens(request.num_tokens_with_spec - request.num_computed_tokens, plan)
             if num_new <= 0:
                 continue
             # None: the request preempted itself. Under FCFS it was the last one; under the
@@ -146,6 +153,16 @@ class Scheduler:
             if block_ids is not None:
                 plan.add(request, num_new, block_ids)
                 plan.cached_reqs.append(request)
+                self._take_spec_tokens(request, num_new, plan)
+
+    @staticmethod
+    def _take_spec_tokens(request: Request, num_new: int, plan: _StepPlan) -> None:
+        """Move the proposals that fit this step's share into the plan; a smaller share (budget,
+        chunk cap) verifies only a prefix of them, and the rest are dropped, never carried over."""
+        num_spec = num_new - (request.num_tokens - request.num_computed_tokens)
+        if num_spec > 0:
+            plan.spec_tokens[request.request_id] = request.spec_token_ids[:num_spec]
+        request.spec_token_ids = []
 
     def _num_new_tokens(self, num_uncomputed: int, plan: _StepPlan) -> int:
         """The one rule: catch up with the token count, within the budget and the chunk cap."""
@@ -157,7 +174,8 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: _StepPlan) -> list[int] | None:
         """Allocate slots, preempting other running requests until they fit."""
         while True:
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new,
+                                                             num_lookahead_tokens=self.num_lookahead_tokens)
             if block_ids is not None:
                 return block_ids
             victim = self._pick_victim()
@@ -178,6 +196,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.total_preemptions += 1
@@ -188,7 +207,8 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_computed = self._lookup_prefix(request)
             num_new = self._num_new_tokens(request.num_tokens - num_computed, plan)
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks)
+            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks,
+                                                             self.num_lookahead_tokens)
             if block_ids is None:
                 return  # head-of-line request does not fit; keep the order
             self.waiting.pop()
@@ -230,7 +250,8 @@ class Scheduler:
             cached.add(r.request_id, resumed, block_ids, r.num_computed_tokens)
         return SchedulerOutput(new_reqs, cached, dict(plan.num_scheduled_tokens),
                                sum(plan.num_scheduled_tokens.values()), set(self.finished_req_ids),
-                               {r.request_id for r in plan.preempted}, self._structured_rows(plan))
+                               {r.request_id for r in plan.preempted}, self._structured_rows(plan),
+                               scheduled_spec_decode_tokens=plan.spec_tokens)
 
     def _structured_rows(self, plan: _StepPlan) -> list[str]:
         """Constrained requests that sample this step (their computed count reaches their end)."""
@@ -252,15 +273,33 @@ class Scheduler:
             if request is None or request.is_finished:
                 continue  # aborted while the step ran
             new_ids = runner_output.sampled_token_ids.get(req_id, [])
+            num_drafts, num_accepted = self._settle_spec_tokens(request, scheduler_output, new_ids)
             new_ids = self._append_and_check_stop(request, new_ids)
+            request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
             prompt_lp = runner_output.prompt_logprobs.get(req_id)
             if not new_ids and prompt_lp is None and not request.is_finished:
                 continue
-            outputs.append(self._make_output(request, new_ids, runner_output, prompt_lp))
+            output = self._make_output(request, new_ids, runner_output, prompt_lp)
+            if num_drafts:
+                output.num_draft_tokens, output.num_accepted_tokens = num_drafts, num_accepted
+            outputs.append(output)
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request, request.status)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+
+    def _settle_spec_tokens(self, request: Request, sched: SchedulerOutput,
+                            new_ids: list[int]) -> tuple[int, int]:
+        """Roll ``num_computed_tokens`` back past the rejected proposals: their KV slots are simply
+        overwritten later (no block is freed or leaked, and hashes only ever cover accepted
+        tokens). Returns (proposals verified, accepted) this step; (0, 0) without speculation."""
+        drafts = sched.scheduled_spec_decode_tokens.get(request.request_id)
+        if not drafts or not new_ids:
+            return 0, 0
+        num_accepted = len(new_ids) - 1  # accepted proposals, then one sampled token
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_stats.observe(len(drafts), num_accepted)
+        return len(drafts), num_accepted
 
     def _append_and_check_stop(self, request: Request, new_ids: list[int]) -> list[int]:
         for i, token in enumerate(new_ids):
@@ -315,6 +354,8 @@ class Scheduler:
         stats = SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv_cache_manager.usage,
                                queries, hits, self.num_preemptions)
         self.num_preemptions = 0
+        if self.spec_stats is not None and self.spec_stats.num_drafts:
+            stats.spec_decoding, self.spec_stats = self.spec_stats, SpecDecodingStats()
         return stats
 
     def check_integrity(self) -> None:

@@ -126,6 +126,10 @@ class RequestState:
         """Take one step's output; return the stop string that finished it, if any."""
         self.output_token_ids.extend(out.new_token_ids)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.num_draft_tokens:
+            self.metrics.spec_num_drafts += 1
+            self.metrics.spec_num_draft_tokens += out.num_draft_tokens
+            self.metrics.spec_num_accepted_tokens += out.num_accepted_tokens
         self.logprobs.update_from_output(out.new_logprobs, out.new_prompt_logprobs)
         stop_terminated = out.finish_reason == FinishReason.STOP
         return self.detokenizer.update(out.new_token_ids, stop_terminated)
@@ -293,3 +297,6 @@ def _merge_metrics(parent: RequestMetrics, child: RequestMetrics, finished: bool
     parent.last_token_time = child.last_token_time or parent.last_token_time
     if finished:
         parent.finished_time = child.finished_time
+    parent.spec_num_drafts += child.spec_num_drafts
+    parent.spec_num_draft_tokens += child.spec_num_draft_tokens
+    parent.spec_num_accepted_tokens += child.spec_num_accepted_tokens

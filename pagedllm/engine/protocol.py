@@ -56,10 +56,31 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id that ended it; the message of an ERROR
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_draft_tokens: int = 0  # speculative decoding: proposals verified this step
+    num_accepted_tokens: int = 0  # of those, accepted
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class SpecDecodingStats(msgspec.Struct, omit_defaults=True):
+    """Speculative decoding since the last snapshot (vLLM's ``spec_decode_*`` counters)."""
+
+    num_drafts: int = 0  # requests that verified proposals
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = []  # [j]: drafts accepted at position j
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        missing = num_draft_tokens - len(self.num_accepted_tokens_per_pos)
+        if missing > 0:
+            self.num_accepted_tokens_per_pos = self.num_accepted_tokens_per_pos + [0] * missing
+        for pos in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[pos] += 1
 
 
 class SchedulerStats(msgspec.Struct, omit_defaults=True):
@@ -71,6 +92,7 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0  # this step
+    spec_decoding: SpecDecodingStats | None = None  # None when speculation is off or idle
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

@@ -43,6 +43,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model directory")
     g.add_argument("--structured-outputs-backend", default="xgrammar", choices=["xgrammar"],
                    help="grammar engine for JSON schema / regex / choice / grammar outputs (default xgrammar)")
+    g.add_argument("--speculative-config", default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' or \'{"method": "draft_model", '
+                        '"model": DIR, "num_speculative_tokens": 4}\'; output is unchanged, only faster')
+    g.add_argument("--speculative-model", default=None, metavar="DIR",
+                   help='draft model directory for speculative decoding (same tokenizer), or "[ngram]" for '
+                        "prompt lookup; use with --num-speculative-tokens")
+    g.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K",
+                   help="tokens proposed per step with --speculative-model (1-16)")
     g.add_argument("--structured-outputs-compile-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="a constraint that does not compile within this time is rejected (400) (default 30)")
 

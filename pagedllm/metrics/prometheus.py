@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from pagedllm.engine.protocol import SchedulerStats
+from pagedllm.engine.protocol import SchedulerStats, SpecDecodingStats
 from pagedllm.metrics.stats import IterationStats
 
 METRIC_PREFIX = "vllm:"
@@ -55,6 +55,13 @@ class PrometheusStatLogger:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).")
+        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verification steps per request.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens.")
+        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
+                                            "Speculative decoding: proposed tokens accepted.")
+        self._spec_per_pos = Counter(self._name("spec_decode_num_accepted_tokens_per_pos"),
+                                     "Speculative decoding: accepted tokens by position in the proposal.",
+                                     ["model_name", "position"], registry=self.registry)
         success = Counter(self._name("request_success"), "Finished requests, by finish reason.",
                           ["model_name", "finished_reason"], registry=self.registry)
         # Pre-create every reason so each series is exposed (at 0) before the first request.
@@ -84,6 +91,15 @@ class PrometheusStatLogger:
         self.prefix_queries.inc(s.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits)
         self.preemptions.inc(s.num_preemptions)
+        if s.spec_decoding is not None:
+            self._record_spec(s.spec_decoding)
+
+    def _record_spec(self, spec: SpecDecodingStats) -> None:
+        self.spec_drafts.inc(spec.num_drafts)
+        self.spec_draft_tokens.inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            self._spec_per_pos.labels(self.model_name, str(pos)).inc(count)
 
     def _record_iteration(self, it: IterationStats) -> None:
         self.prompt_tokens.inc(it.num_prompt_tokens)

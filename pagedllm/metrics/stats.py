@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedllm.engine.protocol import EngineCoreOutput, SchedulerStats
+from pagedllm.engine.protocol import EngineCoreOutput, SchedulerStats, SpecDecodingStats
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +92,17 @@ class LoggingStatLogger:
         self._last = time.monotonic()
         self._prompt = self._gen = 0
         self._latest: SchedulerStats | None = None
+        self._drafts = SpecDecodingStats()  # accumulated between log lines
 
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
         self._prompt += iteration.num_prompt_tokens
         self._gen += iteration.num_generation_tokens
         self._latest = scheduler_stats or self._latest
+        spec = scheduler_stats.spec_decoding if scheduler_stats is not None else None
+        if spec is not None:
+            self._drafts.num_drafts += spec.num_drafts
+            self._drafts.num_draft_tokens += spec.num_draft_tokens
+            self._drafts.num_accepted_tokens += spec.num_accepted_tokens
         now = time.monotonic()
         if now - self._last >= self.interval and (self._gen or self._prompt):
             self._log(now - self._last)
@@ -107,3 +113,9 @@ class LoggingStatLogger:
         logger.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%",
                     self._prompt / elapsed, self._gen / elapsed, s.num_running_reqs, s.num_waiting_reqs,
                     100 * s.kv_cache_usage)
+        d = self._drafts
+        if d.num_drafts:
+            logger.info("speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f, %d drafts",
+                        100 * d.num_accepted_tokens / d.num_draft_tokens, 1 + d.num_accepted_tokens / d.num_drafts,
+                        d.num_drafts)
+            self._drafts = SpecDecodingStats()

@@ -105,11 +105,16 @@ class Sampler(nn.Module):
             return random
         return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
 
+    @classmethod
+    def random_sample(cls, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        return ops.random_sample(cls.processed_probs(logits, md), md.generators)
+
     @staticmethod
-    def random_sample(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """The distribution random rows draw from: temperature, top-k/top-p, min-p, softmax.
+        Greedy rows come out at temperature 1 (unused). Writes into ``logits``."""
         logits = ops.apply_temperature(logits, md.temperature, SAMPLING_EPS)
         logits = ops.apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:
             logits = ops.apply_min_p(logits, md.min_p)
-        probs = logits.softmax(dim=-1, dtype=torch.float32)
-        return ops.random_sample(probs, md.generators)
+        return logits.softmax(dim=-1, dtype=torch.float32)

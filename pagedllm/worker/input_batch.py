@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -42,10 +42,16 @@ class BatchInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     attn: CommonAttentionMetadata
-    logits_indices: torch.Tensor  # rows whose logits are sampled
+    logits_indices: torch.Tensor  # rows whose logits are sampled (1 + its proposals per request)
     sample_req_ids: list[str]  # the requests those rows belong to, in order
     starts: list[int]  # per request: tokens already computed before this step
     num_scheduled: list[int]
+    num_draft_tokens: list[int] = field(default_factory=list)  # per sampled request: proposals verified
+    draft_token_ids: list[int] = field(default_factory=list)  # all sampled requests' proposals, flat
+
+    @property
+    def has_drafts(self) -> bool:
+        return bool(self.draft_token_ids)
 
 
 def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
@@ -67,35 +73,54 @@ def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
 
 def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
                    device: torch.device) -> BatchInputs:
-    """Build token ids, positions, slot mapping and block tables with vectorised index math."""
+    """Build token ids, positions, slot mapping and block tables with vectorised index math.
+
+    A request with proposals (speculative decoding) runs its real tokens then its proposals;
+    it samples at its last real token and at every proposal, and the verifier keeps a prefix.
+    """
     req_ids = list(sched.num_scheduled_tokens)
     reqs = [states[r] for r in req_ids]
     num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
+    drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
     starts = [s.num_computed_tokens for s in reqs]
-    counts = np.asarray(num_scheduled, dtype=np.int64)
+    tokens = [s.token_ids[a:a + n - len(d)] + d for s, a, n, d in zip(reqs, starts, num_scheduled, drafts)]
+    input_ids, positions, attn = build_flat_batch(tokens, starts, [s.block_ids for s in reqs], block_size, device)
+    cu = attn.query_start_loc_cpu
+    sample_rows = [i for i, (s, a, n, d) in enumerate(zip(reqs, starts, num_scheduled, drafts))
+                   if a + n - len(d) == len(s.token_ids)]
+    logits_indices = [row for i in sample_rows for row in range(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1])]
+    return BatchInputs(
+        req_ids=req_ids, input_ids=input_ids, positions=positions, attn=attn,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        sample_req_ids=[req_ids[i] for i in sample_rows], starts=starts, num_scheduled=num_scheduled,
+        num_draft_tokens=[len(drafts[i]) for i in sample_rows],
+        draft_token_ids=[t for i in sample_rows for t in drafts[i]])
+
+
+def build_flat_batch(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]], block_size: int,
+                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+    """(input_ids, positions, attention metadata) for requests that each run ``tokens[i]`` from
+    position ``starts[i]`` on, writing KV through their block tables. Shared by the target's
+    step and a draft model's proposal forwards."""
+    counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
     cu = np.concatenate(([0], np.cumsum(counts)))
-    req_of_token = np.repeat(np.arange(len(reqs)), counts)
+    req_of_token = np.repeat(np.arange(len(tokens)), counts)
     positions = np.asarray(starts, dtype=np.int64)[req_of_token] + np.arange(cu[-1]) - cu[:-1][req_of_token]
-    input_ids = [t for s, a, n in zip(reqs, starts, num_scheduled) for t in s.token_ids[a:a + n]]
-    table = _block_table(reqs)
+    table = _block_table(block_ids)
     slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
-    seq_lens = [a + n for a, n in zip(starts, num_scheduled)]
-    sample_rows = [i for i, s in enumerate(reqs) if seq_lens[i] == len(s.token_ids)]
+    seq_lens = [a + len(t) for a, t in zip(starts, tokens)]
     attn = CommonAttentionMetadata(
         query_start_loc=torch.from_numpy(cu).to(device), query_start_loc_cpu=cu.tolist(),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device), seq_lens_cpu=seq_lens,
         block_table=torch.from_numpy(table).to(device), slot_mapping=torch.from_numpy(slots).to(device),
-        block_size=block_size, max_query_len=max(num_scheduled), max_seq_len=max(seq_lens))
-    return BatchInputs(
-        req_ids=req_ids, input_ids=torch.tensor(input_ids, dtype=torch.int64, device=device),
-        positions=torch.from_numpy(positions).to(device), attn=attn,
-        logits_indices=torch.tensor([cu[i + 1] - 1 for i in sample_rows], dtype=torch.int64, device=device),
-        sample_req_ids=[req_ids[i] for i in sample_rows], starts=starts, num_scheduled=num_scheduled)
+        block_size=block_size, max_query_len=int(counts.max()), max_seq_len=max(seq_lens))
+    input_ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=device)
+    return input_ids, torch.from_numpy(positions).to(device), attn
 
 
-def _block_table(reqs: list[CachedRequestState]) -> np.ndarray:
-    width = max(len(s.block_ids) for s in reqs)
-    table = np.zeros((len(reqs), width), dtype=np.int64)  # 0 = the null block
-    for i, s in enumerate(reqs):
-        table[i, :len(s.block_ids)] = s.block_ids
+def _block_table(block_ids: list[list[int]]) -> np.ndarray:
+    width = max(len(ids) for ids in block_ids)
+    table = np.zeros((len(block_ids), width), dtype=np.int64)  # 0 = the null block
+    for i, ids in enumerate(block_ids):
+        table[i, :len(ids)] = ids
     return table

@@ -12,8 +12,10 @@ from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.models.loader import load_model
-from pagedllm.sampling.metadata import SamplingMetadata
+from pagedllm.sampling.metadata import SAMPLING_EPS, SamplingMetadata
 from pagedllm.sampling.sampler import LogprobsTensors, Sampler, compute_logprobs_topk
+from pagedllm.sampling.spec_sampler import DraftBatch, sample_with_drafts
+from pagedllm.spec_decode.proposer import ProposeContext, make_proposer
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.input_batch import BatchInputs, CachedRequestState, prepare_inputs, update_states
 
@@ -34,16 +36,21 @@ class ModelRunner:
         self.attn_backend = get_attn_backend(device.type, config.attention_backend)
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.proposer = None  # speculative decoding: set up in load_model
+        self.draft_probs: dict[str, torch.Tensor] = {}  # req_id -> [k, V] of its pending proposals
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         mc = self.config.model_config
         self.model = load_model(mc.model, mc.arch, load_format=mc.load_format, dtype=self.dtype,
                                 device=self.device, seed=mc.seed)
+        self.proposer = make_proposer(self.config, self)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``[2, num_blocks, block_size, KVH, D]`` per layer and bind it to the layers."""
         layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        # A draft model's layers get their own tensors over the same block ids (shared tables).
+        layers += getattr(self.proposer, "attention_layers", list)()
         self.kv_caches = []
         for layer in layers:
             shape = (2, num_blocks, self.block_size, layer.num_kv_heads, layer.head_dim)
@@ -62,6 +69,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         update_states(self.requests, sched, self._make_generator)
+        for req_id in sched.finished_req_ids:
+            self.draft_probs.pop(req_id, None)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = prepare_inputs(self.requests, sched, self.block_size, self.device)
@@ -71,24 +80,57 @@ class ModelRunner:
         self._compute_prompt_logprobs(batch, hidden, output)
         if batch.sample_req_ids:
             self._sample(batch, hidden, output, sched.grammar_bitmask)
+            self._propose(batch, hidden, output)
         return output
 
     def _sample(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 grammar_bitmask=None) -> None:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        apply_grammar_bitmask(logits, grammar_bitmask, batch.sample_req_ids)  # constrained rows only
+        row_req_ids = [r for r, k in zip(batch.sample_req_ids, self._rows_per_request(batch)) for _ in range(k)]
+        apply_grammar_bitmask(logits, grammar_bitmask, row_req_ids)  # constrained rows only (never speculated)
         states = [self.requests[r] for r in batch.sample_req_ids]
+        row_states = [self.requests[r] for r in row_req_ids]
         metadata = SamplingMetadata.from_params(
-            [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-            [s.output_token_ids for s in states], self.vocab_size, self.device,
-            {i: s.generator for i, s in enumerate(states) if s.generator is not None})
-        result = self.sampler(logits, metadata)
-        sampled = result.sampled_token_ids.tolist()
-        for state, token in zip(states, sampled):
-            state.token_ids.append(token)
-            output.sampled_token_ids[state.req_id] = [token]
-        if result.logprobs_tensors is not None:
-            _split_logprobs(result.logprobs_tensors, states, output.logprobs)
+            [s.sampling_params for s in row_states], [s.prompt_token_ids for s in row_states],
+            [s.output_token_ids for s in row_states], self.vocab_size, self.device,
+            {i: s.generator for i, s in enumerate(row_states) if s.generator is not None})
+        if batch.has_drafts:
+            emitted, logprobs = sample_with_drafts(self.sampler, logits, metadata, self._draft_batch(batch, states))
+        else:
+            result = self.sampler(logits, metadata)
+            emitted, logprobs = [[t] for t in result.sampled_token_ids.tolist()], result.logprobs_tensors
+        for state, tokens in zip(states, emitted):
+            state.token_ids.extend(tokens)
+            output.sampled_token_ids[state.req_id] = tokens
+        if logprobs is not None:
+            _split_logprobs(logprobs, states, emitted, self._rows_per_request(batch), output.logprobs)
+
+    @staticmethod
+    def _rows_per_request(batch: BatchInputs) -> list[int]:
+        return [k + 1 for k in batch.num_draft_tokens]
+
+    def _draft_batch(self, batch: BatchInputs, states: list[CachedRequestState]) -> DraftBatch:
+        """The proposals under verification, with the distributions a draft model drew them from."""
+        probs = [self.draft_probs.get(s.req_id) for s in states]
+        draft_probs = None
+        if any(p is not None for p in probs):
+            rows = [p[:k] if p is not None else torch.zeros(k, self.vocab_size, device=self.device)
+                    for p, k in zip(probs, batch.num_draft_tokens)]
+            draft_probs = torch.cat(rows)
+        return DraftBatch(batch.num_draft_tokens, batch.draft_token_ids, draft_probs,
+                          [s.sampling_params.temperature < SAMPLING_EPS for s in states],
+                          {i: s.generator for i, s in enumerate(states) if s.generator is not None})
+
+    def _propose(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput) -> None:
+        """Guess the next tokens of the requests that just sampled (speculative decoding)."""
+        if self.proposer is None:
+            return
+        emitted = {r: output.sampled_token_ids[r] for r in batch.sample_req_ids}
+        proposals = self.proposer.propose(ProposeContext(self, batch, hidden, emitted))
+        for req_id in emitted:
+            self.draft_probs.pop(req_id, None)
+        self.draft_probs.update(proposals.probs)
+        output.spec_token_ids = proposals.token_ids
 
     def _compute_prompt_logprobs(self, batch: BatchInputs, hidden: torch.Tensor,
                                  output: ModelRunnerOutput) -> None:
@@ -108,11 +150,15 @@ class ModelRunner:
             offset += count
 
 
-def _split_logprobs(tensors: LogprobsTensors, states: list[CachedRequestState],
-                    out: dict[str, LogprobsLists]) -> None:
-    """One row per request, trimmed to that request's own number of logprobs."""
+def _split_logprobs(tensors: LogprobsTensors, states: list[CachedRequestState], emitted: list[list[int]],
+                    rows_per_request: list[int], out: dict[str, LogprobsLists]) -> None:
+    """One row per emitted token, trimmed to the request's own number of logprobs."""
     ids, lps, ranks = tensors.tolists()
-    for i, state in enumerate(states):
+    row = 0
+    for state, tokens, num_rows in zip(states, emitted, rows_per_request):
         k = state.sampling_params.logprobs
         if k is not None:
-            out[state.req_id] = LogprobsLists([ids[i][:k + 1]], [lps[i][:k + 1]], [ranks[i]])
+            rows = range(row, row + len(tokens))
+            out[state.req_id] = LogprobsLists([ids[r][:k + 1] for r in rows], [lps[r][:k + 1] for r in rows],
+                                              [ranks[r] for r in rows])
+        row += num_rows

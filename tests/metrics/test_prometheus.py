@@ -79,3 +79,21 @@ def test_loggers_have_separate_registries():
     a.record(None, IterationStats(num_generation_tokens=7))
     assert value(samples(a), "vllm:generation_tokens_total") == 7
     assert value(samples(b), "vllm:generation_tokens_total") == 0
+
+
+def test_spec_decode_counters():
+    from pagedllm.engine.protocol import SpecDecodingStats
+
+    logger = PrometheusStatLogger("m")
+    spec = SpecDecodingStats()
+    spec.observe(3, 2)
+    spec.observe(4, 0)
+    logger.record(SchedulerStats(spec_decoding=spec), IterationStats())
+    logger.record(SchedulerStats(spec_decoding=spec), IterationStats())
+    data = samples(logger)
+    assert value(data, "vllm:spec_decode_num_drafts_total") == 4
+    assert value(data, "vllm:spec_decode_num_draft_tokens_total") == 14
+    assert value(data, "vllm:spec_decode_num_accepted_tokens_total") == 4
+    assert value(data, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 2
+    assert value(data, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
+    assert value(data, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position="3") == 0

@@ -1,0 +1,1 @@
+"""Speculative decoding: proposers (n-gram, draft model) and their options; imports nothing heavy."""
