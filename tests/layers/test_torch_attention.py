@@ -8,7 +8,7 @@ import torch
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.metadata import build_common_metadata
 from pagedllm.layers.attention.backends.cpu_kernels import load_cpu_kernels
-from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend
+from pagedllm.layers.attention.backends.torch_sdpa import MAX_ROWWISE_QUERY_LEN, TorchAttentionBackend
 
 BLOCK = 4
 
@@ -37,9 +37,10 @@ def test_mixed_batch_matches_dense(window, use_kernels):
     if use_kernels and load_cpu_kernels() is None:
         pytest.skip("the C++ kernels could not be built here")
     layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK, kv_heads, dim), backend)
-    # Three sequences: (context, new tokens) = a prefill from scratch, a chunk on a cached prefix, a decode.
-    plan = [(0, 7), (6, 5), (9, 1)]
-    tables = [[3, 1], [5, 2, 9], [4, 8, 7]]
+    # (context, new tokens): a short prefill from scratch, a short chunk on a cached prefix (both
+    # row by row, as speculative verification runs), a decode, and a chunk long enough for SDPA.
+    plan = [(0, 7), (6, 5), (9, 1), (3, MAX_ROWWISE_QUERY_LEN + 4)]
+    tables = [[3, 1], [5, 2, 9], [4, 8, 7], [10, 11, 12, 13, 14, 15, 16]]
     full = [(torch.randn(c + n, heads, dim), torch.randn(c + n, kv_heads, dim), torch.randn(c + n, kv_heads, dim))
             for c, n in plan]
     # Fill the cached prefixes first (as earlier steps would have).

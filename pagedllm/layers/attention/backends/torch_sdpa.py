@@ -1,15 +1,17 @@
 """Reference attention backend on torch's scaled_dot_product_attention (CPU and any device).
 
-Decodes (one query token each) are batched: on CPU a C++ kernel reads K/V straight from the
-paged blocks (``csrc/cpu_paged_attention.cpp``); elsewhere, or without the kernel, one SDPA call
-runs over K/V gathered from the cache. Prefill chunks (possibly on top of a cached prefix) run
-one SDPA call each: they are compute-bound, so the gather is amortised over their queries.
+Decodes and other short queries (speculative verification) are batched one row per query
+token: on CPU a C++ kernel reads K/V straight from the paged blocks
+(``csrc/cpu_paged_attention.cpp``); elsewhere, or without the kernel, one SDPA call runs over K/V
+gathered from the cache. Longer prefill chunks (possibly on top of a cached prefix) run one SDPA
+call each: they are compute-bound, so the gather is amortised over their queries.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -73,10 +75,28 @@ def _prefill_mask(query_len: int, context_len: int, window: int | None, device) 
     return mask
 
 
+def _rowwise_queries(idx: list[int], query_lens: list[int], loc: list[int],
+                     seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Split short queries into one decode-style row per token: (flat row, tokens it attends
+    to, owning request). Every query token's K/V is written before attention runs, so token j of
+    a request attends to its context plus tokens 0..j, exactly the causal mask."""
+    counts = np.asarray([query_lens[i] for i in idx], dtype=np.int64)
+    owners = np.repeat(np.asarray(idx, dtype=np.int64), counts)
+    offset = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+    rows = np.asarray(loc, dtype=np.int64)[owners] + offset
+    lens = np.asarray(seq_lens, dtype=np.int64)[owners] - np.repeat(counts, counts) + 1 + offset
+    return rows, lens, owners
+
+
 def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """Cache slots of positions 0..length-1 for each row of ``block_table``."""
     pos = torch.arange(length, device=block_table.device)
     return block_table[:, pos // block_size] * block_size + pos % block_size
+
+
+# Queries up to this long (decodes, speculative verification, short chunks) run row by row on
+# the paged decode path; longer ones as one SDPA call each over a gathered K/V.
+MAX_ROWWISE_QUERY_LEN = 17
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -90,20 +110,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         query_lens = common.query_lens_cpu()
-        decode_idx = [i for i, n in enumerate(query_lens) if n == 1]
-        prefill_idx = [i for i, n in enumerate(query_lens) if n > 1]
+        short_idx = [i for i, n in enumerate(query_lens) if n <= MAX_ROWWISE_QUERY_LEN]
+        prefill_idx = [i for i, n in enumerate(query_lens) if n > MAX_ROWWISE_QUERY_LEN]
         loc, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
         device = common.block_table.device
         decode_rows = decode_slots = decode_lens = decode_table = None
-        if decode_idx:
-            idx = torch.tensor(decode_idx, device=device)
-            decode_rows = common.query_start_loc[idx]
-            decode_lens = common.seq_lens[idx]
+        if short_idx:
+            rows, lens, owners = _rowwise_queries(short_idx, query_lens, loc, seq_lens)
+            decode_rows = torch.from_numpy(rows).to(device)
+            decode_lens = torch.from_numpy(lens).to(device)
+            table = common.block_table[torch.from_numpy(owners).to(device)]
             if self._kernels(device) is not None:
-                decode_table = common.block_table[idx].contiguous()
+                decode_table = table.contiguous()
             else:
-                max_len = max(seq_lens[i] for i in decode_idx)
-                decode_slots = _slots_for(common.block_table[idx], max_len, common.block_size)
+                decode_slots = _slots_for(table, int(lens.max()), common.block_size)
         prefills = [
             PrefillSeq(loc[i], loc[i + 1], seq_lens[i] - query_lens[i],
                        _slots_for(common.block_table[i:i + 1], seq_lens[i], common.block_size)[0])

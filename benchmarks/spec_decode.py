@@ -1,0 +1,126 @@
+"""Speculative decoding (n-gram prompt lookup): output tokens/s with and without, in one run.
+
+    python -m benchmarks.spec_decode [--model DIR] [--batch-sizes 1 16] [--repeats 2]
+
+Two workloads on the same engine settings, each run alternately with speculation off and on
+(``--repeats`` times; best and median kept) so both see the same machine state:
+
+* ``copy``: the output repeats text in the prompt, as when a model rewrites code with one
+  change. A random-weight model cannot be asked to copy, so the workload is built from the model
+  itself: C is its greedy continuation of a random prompt P, and the request is P + C + P. The
+  default model is the SmolLM-135M shape with Mistral-style sliding-window attention (window
+  ``--sliding-window``): its receptive field (layers x window) is shorter than P, so after the
+  second P it sees exactly what it saw after the first and writes C again — text that prompt
+  lookup finds. The report gives the share of outputs equal to C, and the acceptance rate.
+* ``no-repetition``: random prompts, temperature 1.0 over the model's nearly flat distribution:
+  the output almost never repeats, proposals are rare, and the figure is what speculation
+  costs when it cannot help.
+
+Batch size B runs ``2 * B`` requests with ``max_num_seqs = B``; dummy weights, float32. The last
+stdout line is the report as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.bench.common import environment, env_line, format_table, write_dummy_model_dir
+
+
+def _requests(n: int, prompt_len: int, vocab: int, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"prompt_token_ids": [rng.randrange(100, vocab) for _ in range(prompt_len)]} for _ in range(n)]
+
+
+def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> tuple[float, int, int, int]:
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    drafted = sum(o.metrics.spec_num_draft_tokens for o in outputs)
+    accepted = sum(o.metrics.spec_num_accepted_tokens for o in outputs)
+    return tokens / elapsed, tokens, drafted, accepted
+
+
+def _bench(engines: dict[str, LLM], prompts: list[dict], params: SamplingParams, repeats: int) -> dict:
+    rates: dict[str, list[float]] = {name: [] for name in engines}
+    drafted = accepted = 0
+    for _ in range(repeats):
+        for name, llm in engines.items():
+            rate, _, d, a = _timed(llm, prompts, params)
+            rates[name].append(rate)
+            drafted, accepted = drafted + d, accepted + a
+    result = {f"{name}_tok_s": {"best": max(r), "median": statistics.median(r)} for name, r in rates.items()}
+    result["speedup_best"] = max(rates["ngram"]) / max(rates["off"])
+    result["speedup_median"] = statistics.median(rates["ngram"]) / statistics.median(rates["off"])
+    result["acceptance_rate"] = accepted / drafted if drafted else None
+    return result
+
+
+def _sliding_window_model(window: int) -> str:
+    """The default bench model's directory, switched to Mistral sliding-window attention."""
+    path = write_dummy_model_dir(Path(tempfile.mkdtemp()) / "smollm")
+    if window:
+        config = json.loads((path / "config.json").read_text())
+        config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=window)
+        (path / "config.json").write_text(json.dumps(config, indent=2))
+    return str(path)
+
+
+def _copy_fidelity(llm: LLM, prompts: list[dict], params: SamplingParams, copies: list[list[int]]) -> float:
+    """Share of copy-workload outputs identical to the text they were meant to repeat."""
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return sum(o.outputs[0].token_ids == c for o, c in zip(outputs, copies)) / len(copies)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="HF model dir (default: dummy SmolLM-135M shape)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--prompt-len", type=int, default=224, help="length of P (copy prompts are 2P + C)")
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--sliding-window", type=int, default=8, help="window of the default model (0: full attention)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    model = args.model or _sliding_window_model(args.sliding_window)
+    load_format = "auto" if args.model else "dummy"
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    greedy = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
+    sampled = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0, seed=args.seed)
+    report = {"env": environment(), "args": vars(args), "results": []}
+    for batch in args.batch_sizes:
+        common = dict(load_format=load_format, max_model_len=2 * args.prompt_len + args.output_len + 16,
+                      max_num_seqs=batch, seed=args.seed)
+        engines = {"off": LLM(model, **common), "ngram": LLM(model, speculative_config=spec, **common)}
+        vocab = engines["off"].llm_engine.config.model_config.arch.vocab_size
+        prompts = _requests(2 * batch, args.prompt_len, vocab, args.seed)
+        copies = [o.outputs[0].token_ids for o in engines["off"].generate(prompts, greedy, use_tqdm=False)]
+        copy_prompts = [{"prompt_token_ids": p["prompt_token_ids"] + c + p["prompt_token_ids"]}
+                        for p, c in zip(prompts, copies)]
+        fidelity = _copy_fidelity(engines["off"], copy_prompts, greedy, copies)
+        result = _bench(engines, copy_prompts, greedy, args.repeats)
+        report["results"].append({"workload": "copy", "batch": batch, "outputs_equal_to_copy": fidelity, **result})
+        result = _bench(engines, prompts, sampled, args.repeats)
+        report["results"].append({"workload": "no-repetition", "batch": batch, **result})
+        del engines
+    rows = [[r["workload"], r["batch"], f"{r['off_tok_s']['best']:.1f}", f"{r['ngram_tok_s']['best']:.1f}",
+             f"{r['speedup_best']:.2f}x", f"{r['speedup_median']:.2f}x",
+             "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"] for r in report["results"]]
+    print(env_line(report["env"]))
+    print(format_table(["workload", "batch", "off tok/s", "ngram tok/s", "speedup (best)", "(median)",
+                        "acceptance"], rows))
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
