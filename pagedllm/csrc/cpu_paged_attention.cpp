@@ -89,7 +89,3 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
     });
   });
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-}

@@ -13,6 +13,8 @@ import math
 import torch
 from torch import nn
 
+from pagedllm.layers.cpu_kernels import cpu_fp32_kernels
+
 from pagedllm.models.hf_config import RopeConfig
 
 
@@ -98,7 +100,15 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H * head_dim], k [T, KVH * head_dim] -> rotated q, k (same shapes)."""
+        """positions [T]; q [T, H * head_dim], k [T, KVH * head_dim] -> rotated q, k (same shapes).
+
+        May rotate q and k in place (callers pass fresh views of the fused qkv output and use
+        only the results): on CPU in float32 one C++ call replaces ~14 small torch ops per layer,
+        whose dispatch costs more than their arithmetic at decode. Bitwise equal either way."""
+        kernels = cpu_fp32_kernels(q)
+        if kernels is not None:
+            kernels.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.head_dim)
+            return q, k
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 

@@ -42,7 +42,7 @@ def test_matches_hf(name, dtype):
     # HF wants [batch, heads, seq, dim].
     ref_q, ref_k = apply_rotary_pos_emb(q.view(1, -1, HEADS, HEAD_DIM).transpose(1, 2),
                                         k.view(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2), cos, sin)
-    out_q, out_k = ours(positions, q, k)
+    out_q, out_k = ours(positions, q.clone(), k.clone())  # the CPU kernel rotates in place
     assert out_q.shape == q.shape and out_q.dtype == dtype
     torch.testing.assert_close(out_q, ref_q.transpose(1, 2).reshape(q.shape), rtol=0, atol=0)
     torch.testing.assert_close(out_k, ref_k.transpose(1, 2).reshape(k.shape), rtol=0, atol=0)
@@ -61,7 +61,7 @@ def test_partial_rotary_rotates_only_the_leading_dims():
     half = get_rope(HEAD_DIM // 2, MAX_POS, RopeConfig(), torch.float32)
     positions = torch.arange(10)
     q, k = torch.randn(10, 2 * HEAD_DIM), torch.randn(10, HEAD_DIM)
-    out_q, out_k = full(positions, q, k)
+    out_q, out_k = full(positions, q.clone(), k.clone())  # the CPU kernel rotates in place
     heads = q.view(10, 2, HEAD_DIM)
     ref_q, ref_k = half(positions, heads[..., :HEAD_DIM // 2].reshape(10, -1), k[:, :HEAD_DIM // 2])
     torch.testing.assert_close(out_q.view(10, 2, HEAD_DIM)[..., :HEAD_DIM // 2], ref_q.view(10, 2, -1))

@@ -7,7 +7,7 @@ import torch
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.metadata import build_common_metadata
-from pagedllm.layers.attention.backends.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.attention.backends.torch_sdpa import MAX_ROWWISE_QUERY_LEN, TorchAttentionBackend
 
 BLOCK = 4

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backends.base import AttentionBackend, write_kv
-from pagedllm.layers.attention.backends.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 
 

@@ -1,0 +1,89 @@
+// Small fused ops for CPU decode: at batch 1 a step is ~30 layers x a few dozen tiny torch ops,
+// and each op's dispatch costs more than its arithmetic. These replace the worst offenders with
+// one call each: RoPE on q and k in place, SiLU(gate) * up, and the paged K/V write.
+// float32 only (the CPU default); callers keep the torch path for other dtypes.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstring>
+
+namespace {
+
+// Rotate every head of one token row. No FMA contraction here: rounding each product like torch
+// does keeps the result bitwise equal to the reference (and to Hugging Face) in float32.
+__attribute__((optimize("fp-contract=off")))
+void rotate_heads(float* x, int64_t heads, int64_t head_dim, int64_t half, const float* cos, const float* sin) {
+  for (int64_t h = 0; h < heads; ++h) {
+    float* x1 = x + h * head_dim;
+    float* x2 = x1 + half;
+    for (int64_t i = 0; i < half; ++i) {
+      const float a = x1[i], b = x2[i];
+      const float ac = a * cos[i], bs = b * sin[i], bc = b * cos[i], as = a * sin[i];
+      x1[i] = ac - bs;
+      x2[i] = bc + as;
+    }
+  }
+}
+
+}  // namespace
+
+// query [T, H * D] and key [T, KVH * D] (row stride may exceed the width: views of the fused
+// qkv output); cos_sin_cache [max_pos, rot] = [cos | sin], rot = rotary_dim. Neox style: the
+// first rot/2 features pair with the next rot/2 of each head; features past rot pass through.
+void rotary_embedding_(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
+                       torch::Tensor cos_sin_cache, int64_t head_dim) {
+  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(query.stride(1) == 1 && key.stride(1) == 1 && cos_sin_cache.is_contiguous(), "bad layout");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "int64 positions");
+  const int64_t tokens = query.size(0), half = cos_sin_cache.size(1) / 2;
+  const int64_t q_heads = query.size(1) / head_dim, k_heads = key.size(1) / head_dim;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  float* q = query.data_ptr<float>();
+  float* k = key.data_ptr<float>();
+  const float* cache = cos_sin_cache.data_ptr<float>();
+  const int64_t q_stride = query.stride(0), k_stride = key.stride(0);
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = cache + pos[t] * 2 * half;
+      rotate_heads(q + t * q_stride, q_heads, head_dim, half, cos, cos + half);
+      rotate_heads(k + t * k_stride, k_heads, head_dim, half, cos, cos + half);
+    }
+  });
+}
+
+// x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up.
+torch::Tensor silu_and_mul(torch::Tensor x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(1) == 1, "float32 rows only");
+  const int64_t tokens = x.size(0), inter = x.size(1) / 2, stride = x.stride(0);
+  auto out = torch::empty({tokens, inter}, x.options());
+  const float* in = x.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tokens * inter, 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end; ++idx) {
+      const int64_t t = idx / inter, i = idx % inter;
+      const float g = in[t * stride + i], u = in[t * stride + inter + i];
+      o[idx] = g / (1.f + std::exp(-g)) * u;
+    }
+  });
+  return out;
+}
+
+// key/value [T, KVH * D] rows (stride may exceed the width); kv_cache [2, blocks, block_size, KVH, D];
+// slot_mapping [T]: the flat slot of each token; a negative slot skips the token (padding).
+void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(key.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(key.stride(1) == 1 && value.stride(1) == 1 && kv_cache.is_contiguous(), "bad layout");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "int64 slots");
+  const int64_t tokens = key.size(0), width = key.size(1);
+  const int64_t plane = kv_cache.numel() / 2;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
+  float* kc = kv_cache.data_ptr<float>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (slots[t] < 0) continue;
+    std::memcpy(kc + slots[t] * width, k + t * key.stride(0), width * sizeof(float));
+    std::memcpy(kc + plane + slots[t] * width, v + t * value.stride(0), width * sizeof(float));
+  }
+}

@@ -1,0 +1,45 @@
+"""The fused CPU ops (csrc/cpu_fused_ops.cpp) against their torch reference paths."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.attention.backends import base
+from pagedllm.layers.cpu_kernels import load_cpu_kernels
+
+kernels = load_cpu_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
+
+
+def test_silu_and_mul_matches_torch():
+    x = torch.randn(7, 2 * 96) * 4
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    strided = torch.randn(5, 2 * 96 + 8)[:, :2 * 96]  # a row stride wider than the row
+    gate, up = strided.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_and_mul(strided), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_write_kv_cache_matches_index_copy():
+    blocks, block_size, kv_heads, dim = 6, 4, 2, 8
+    qkv = torch.randn(5, (4 + 2 * kv_heads) * dim)  # k and v are strided views, as in the models
+    k, v = qkv[:, 4 * dim:(4 + kv_heads) * dim], qkv[:, (4 + kv_heads) * dim:]
+    slots = torch.tensor([3, 9, 10, 23, 0])
+    fused = torch.zeros(2, blocks, block_size, kv_heads, dim)
+    kernels.write_kv_cache(k, v, fused, slots)
+    reference = torch.zeros_like(fused)
+    reference[0].view(-1, kv_heads, dim).index_copy_(0, slots, k.reshape(-1, kv_heads, dim))
+    reference[1].view(-1, kv_heads, dim).index_copy_(0, slots, v.reshape(-1, kv_heads, dim))
+    assert torch.equal(fused, reference)
+    skipped = torch.zeros_like(fused)
+    kernels.write_kv_cache(k, v, skipped, torch.tensor([-1, -1, -1, -1, -1]))  # padding rows write nothing
+    assert not skipped.any()
+
+
+def test_write_kv_uses_the_kernel_only_for_float32_cpu(monkeypatch):
+    calls = []
+    monkeypatch.setattr(base, "cpu_fp32_kernels", lambda x: calls.append(x.dtype) or None)
+    cache = torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16)
+    k = torch.randn(2, 8, dtype=torch.bfloat16)
+    base.write_kv(cache, k, k, torch.tensor([0, 5]))
+    assert calls == [torch.bfloat16] and torch.equal(cache[0].view(-1, 8)[5], k[1])
