@@ -101,6 +101,7 @@ class EngineConfig:
     attention_backend: str | None = None
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative_config: SpeculativeConfig | None = None
+    enforce_eager: bool = False  # CUDA: never capture CUDA graphs (decode runs eagerly, as on CPU)
 
     def kv_bytes_per_block(self) -> int:
         """Target layers plus, with a draft model, its layers: both share every block table."""
@@ -146,6 +147,7 @@ class EngineArgs:
     speculative_config: dict | str | None = None
     speculative_model: str | None = None  # older spelling: a draft model directory, or "[ngram]"
     num_speculative_tokens: int | None = None
+    enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -161,7 +163,8 @@ class EngineArgs:
         config = EngineConfig(model_config, self._cache_config(), scheduler_config,
                               self._parallel_config(), device, self.attention_backend,
                               self._structured_outputs_config(),
-                              self._speculative_config(arch, model_config.max_model_len))
+                              self._speculative_config(arch, model_config.max_model_len),
+                              enforce_eager=bool(self.enforce_eager))
         _check_kv_budget(config)
         return config
 

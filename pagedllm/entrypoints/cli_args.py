@@ -40,6 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks; accepted and validated, only 1 is supported for now (default 1)")
     g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="attention kernels: auto = triton on CUDA (when triton is installed), torch elsewhere")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="CUDA: run every step eagerly, without capturing CUDA graphs for decode batches "
+                        "(faster start-up, slower decode)")
     g.add_argument("--trust-remote-code", action="store_true", help="allow custom code from the model directory")
     g.add_argument("--structured-outputs-backend", default="xgrammar", choices=["xgrammar"],
                    help="grammar engine for JSON schema / regex / choice / grammar outputs (default xgrammar)")

@@ -83,7 +83,8 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden)
 
     def _forward(self, runner, tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
-        input_ids, positions, attn = build_flat_batch(tokens, starts, tables, runner.block_size, runner.device)
+        input_ids, positions, attn = build_flat_batch(tokens, starts, tables, runner.block_size, runner.device,
+                                                      stager=runner.stager)
         return self.model(input_ids, positions, runner.attn_backend.build_metadata(attn))
 
     def _draw(self, runner, active: list[str], logits: torch.Tensor) -> tuple[list[int], list | None]:

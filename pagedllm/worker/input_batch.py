@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.staging import HostStager
 
 
 @dataclass
@@ -72,8 +74,9 @@ def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
 
 
 def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
-                   device: torch.device) -> BatchInputs:
-    """Build token ids, positions, slot mapping and block tables with vectorised index math.
+                   device: torch.device, stager: HostStager | None = None) -> BatchInputs:
+    """Build token ids, positions, slot mapping and block tables with vectorised index math, and
+    move them (with the sampled rows) to the device in one go (``stager``; default: a fresh one).
 
     A request with proposals (speculative decoding) runs its real tokens then its proposals;
     it samples at its last real token and at every proposal, and the verifier keeps a prefix.
@@ -84,38 +87,60 @@ def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput
     drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
     starts = [s.num_computed_tokens for s in reqs]
     tokens = [s.token_ids[a:a + n - len(d)] + d for s, a, n, d in zip(reqs, starts, num_scheduled, drafts)]
-    input_ids, positions, attn = build_flat_batch(tokens, starts, [s.block_ids for s in reqs], block_size, device)
-    cu = attn.query_start_loc_cpu
+    arrays = flat_batch_arrays(tokens, starts, [s.block_ids for s in reqs], block_size)
+    cu = arrays["query_start_loc"].tolist()
     sample_rows = [i for i, (s, a, n, d) in enumerate(zip(reqs, starts, num_scheduled, drafts))
                    if a + n - len(d) == len(s.token_ids)]
     logits_indices = [row for i in sample_rows for row in range(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1])]
+    arrays["logits_indices"] = np.asarray(logits_indices, dtype=np.int64)
+    staged = (stager or HostStager(device)).stage(arrays)
+    input_ids, positions, attn = _batch_tensors(arrays, staged, block_size)
     return BatchInputs(
         req_ids=req_ids, input_ids=input_ids, positions=positions, attn=attn,
-        logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        logits_indices=staged["logits_indices"],
         sample_req_ids=[req_ids[i] for i in sample_rows], starts=starts, num_scheduled=num_scheduled,
         num_draft_tokens=[len(drafts[i]) for i in sample_rows],
         draft_token_ids=[t for i in sample_rows for t in drafts[i]])
 
 
 def build_flat_batch(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]], block_size: int,
-                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+                     device: torch.device, stager: HostStager | None = None,
+                     ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
     """(input_ids, positions, attention metadata) for requests that each run ``tokens[i]`` from
     position ``starts[i]`` on, writing KV through their block tables. Shared by the target's
     step and a draft model's proposal forwards."""
+    arrays = flat_batch_arrays(tokens, starts, block_ids, block_size)
+    return _batch_tensors(arrays, (stager or HostStager(device)).stage(arrays), block_size)
+
+
+def flat_batch_arrays(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]],
+                      block_size: int) -> dict[str, np.ndarray]:
+    """The host (numpy) side of :func:`build_flat_batch`: every per-step index array, int64."""
     counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
     cu = np.concatenate(([0], np.cumsum(counts)))
     req_of_token = np.repeat(np.arange(len(tokens)), counts)
     positions = np.asarray(starts, dtype=np.int64)[req_of_token] + np.arange(cu[-1]) - cu[:-1][req_of_token]
     table = _block_table(block_ids)
-    slots = table[req_of_token, positions // block_size] * block_size + positions % block_size
-    seq_lens = [a + len(t) for a, t in zip(starts, tokens)]
+    return {
+        "input_ids": np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=int(cu[-1])),
+        "positions": positions,
+        "query_start_loc": cu,
+        "seq_lens": np.asarray(starts, dtype=np.int64) + counts,
+        "block_table": table,
+        "slot_mapping": table[req_of_token, positions // block_size] * block_size + positions % block_size,
+    }
+
+
+def _batch_tensors(arrays: dict[str, np.ndarray], staged: dict[str, torch.Tensor], block_size: int,
+                   ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+    """(input_ids, positions, metadata) from the staged tensors; the Python-int fields from the host arrays."""
+    cu, seq_lens = arrays["query_start_loc"], arrays["seq_lens"]
     attn = CommonAttentionMetadata(
-        query_start_loc=torch.from_numpy(cu).to(device), query_start_loc_cpu=cu.tolist(),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device), seq_lens_cpu=seq_lens,
-        block_table=torch.from_numpy(table).to(device), slot_mapping=torch.from_numpy(slots).to(device),
-        block_size=block_size, max_query_len=int(counts.max()), max_seq_len=max(seq_lens))
-    input_ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=device)
-    return input_ids, torch.from_numpy(positions).to(device), attn
+        query_start_loc=staged["query_start_loc"], query_start_loc_cpu=cu.tolist(),
+        seq_lens=staged["seq_lens"], seq_lens_cpu=seq_lens.tolist(),
+        block_table=staged["block_table"], slot_mapping=staged["slot_mapping"],
+        block_size=block_size, max_query_len=int(np.diff(cu).max()), max_seq_len=int(seq_lens.max()))
+    return staged["input_ids"], staged["positions"], attn
 
 
 def _block_table(block_ids: list[list[int]]) -> np.ndarray:

@@ -17,7 +17,9 @@ from pagedllm.sampling.sampler import LogprobsTensors, Sampler, compute_logprobs
 from pagedllm.sampling.spec_sampler import DraftBatch, sample_with_drafts
 from pagedllm.spec_decode.proposer import ProposeContext, make_proposer
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
+from pagedllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graphs_enabled
 from pagedllm.worker.input_batch import BatchInputs, CachedRequestState, prepare_inputs, update_states
+from pagedllm.worker.staging import HostStager
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.proposer = None  # speculative decoding: set up in load_model
         self.draft_probs: dict[str, torch.Tensor] = {}  # req_id -> [k, V] of its pending proposals
+        self.stager = HostStager(device)  # one pinned buffer, one host-to-device copy per step (CUDA)
+        self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps replay these (CUDA)
 
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
@@ -60,6 +64,18 @@ class ModelRunner:
             layer.bind_kv_cache(cache, self.attn_backend)
             self.kv_caches.append(cache)
 
+    def capture_cuda_graphs(self) -> None:
+        """Capture decode-only forwards (after the KV cache is bound: the graphs bake in its address)."""
+        if not graphs_enabled(self.config, self.device, self.attn_backend):
+            return
+        sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
+        self.cuda_graphs = CudaGraphRunner(self.model, self.attn_backend, sizes,
+                                           self.config.blocks_per_max_len_request(), self.block_size,
+                                           self.config.model_config.max_model_len, self.device)
+        seconds = self.cuda_graphs.capture()
+        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s (--enforce-eager turns them off)",
+                    sizes, seconds)
+
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
             return None
@@ -73,15 +89,20 @@ class ModelRunner:
             self.draft_probs.pop(req_id, None)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        batch = prepare_inputs(self.requests, sched, self.block_size, self.device)
-        attn_metadata = self.attn_backend.build_metadata(batch.attn)
-        hidden = self.model(batch.input_ids, batch.positions, attn_metadata)
+        batch = prepare_inputs(self.requests, sched, self.block_size, self.device, self.stager)
+        hidden = self._forward(batch)
         output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids})
         self._compute_prompt_logprobs(batch, hidden, output)
         if batch.sample_req_ids:
             self._sample(batch, hidden, output, sched.grammar_bitmask)
             self._propose(batch, hidden, output)
         return output
+
+    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+        """Hidden states [T, hidden]: a CUDA graph replay for decode-only steps, else eager."""
+        if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
+            return self.cuda_graphs.run(batch)
+        return self.model(batch.input_ids, batch.positions, self.attn_backend.build_metadata(batch.attn))
 
     def _sample(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
                 grammar_bitmask=None) -> None:

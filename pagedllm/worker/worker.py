@@ -1,18 +1,64 @@
-"""Worker: one per device (one per TP rank later). Sets up the device, sizes the KV pool."""
+"""Worker: one per device (one per TP rank later). Sets up the device, sizes the KV pool.
+
+KV pool sizing. On CPU the pool has a fixed size (``kv_cache_memory``, 4 GiB by default). On CUDA
+it gets what is left of ``gpu_memory_utilization`` of the device after the weights, the peak
+activation memory of the largest step (measured by a profiling forward of
+``max_num_batched_tokens`` tokens right after loading) and a reserve for CUDA graphs and the
+allocator: since no step can be larger than the profiled one, no admitted load runs out of memory.
+"""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.layers.attention import Attention
+from pagedllm.sampling.metadata import SamplingMetadata
+from pagedllm.sampling.sampler import compute_logprobs_topk
+from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.cuda_graph import graphs_enabled
+from pagedllm.worker.input_batch import build_flat_batch
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 _DEFAULT_CPU_KV_GIB = 4.0
+MiB = 1 << 20
+# Allocator fragmentation and buffers created after profiling (cuBLAS workspaces on new streams).
+_RUNTIME_RESERVE = 256 * MiB
+# Decode graphs' private memory pool: activations of at most 256 tokens plus the graphs themselves.
+_CUDA_GRAPH_RESERVE = 512 * MiB
+_PROFILE_LOGPROBS = 20  # vLLM's default max_logprobs; more per request would cost more than profiled
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    total: int  # device memory
+    used_after_load: int  # in use once the weights are loaded: ours, the CUDA context, other processes
+    activation_peak: int  # torch allocations above that at the profiling forward's peak
+
+
+def kv_cache_budget(profile: MemoryProfile, utilization: float, reserve: int) -> int:
+    """Bytes for the KV pool: our share of the device less what is in use, the peak and the reserve."""
+    return int(profile.total * utilization) - profile.used_after_load - profile.activation_peak - reserve
+
+
+def measure_memory(device: torch.device, run_profile: Callable[[], None]) -> MemoryProfile:
+    """What is in use after loading, and the peak extra memory of ``run_profile`` (CUDA)."""
+    torch.cuda.empty_cache()  # loading's freed temporaries must not count as in use
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    run_profile()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - allocated
+    torch.cuda.empty_cache()  # hand the activations back before the KV pool is allocated
+    return MemoryProfile(total=total, used_after_load=total - free, activation_peak=peak)
 
 
 class Worker:
@@ -23,7 +69,11 @@ class Worker:
         self.model_runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
-        self.model_runner.load_model()
+        try:
+            self.model_runner.load_model()
+        except torch.cuda.OutOfMemoryError as e:
+            raise ValueError(f"the model's weights do not fit in the memory of {self.device}; use a smaller model "
+                             "(or a 16-bit --dtype)") from e
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit in the memory budget (the null block included)."""
@@ -37,24 +87,91 @@ class Worker:
         per_block = self.config.kv_bytes_per_block()
         budget = self._kv_memory_budget()
         if budget < per_block * needed:
-            raise ValueError(f"the KV cache budget ({budget / (1 << 30):.3g} GiB) cannot hold one request of "
-                             f"max_model_len={self.config.model_config.max_model_len}; lower max_model_len or "
-                             "raise kv_cache_memory / gpu_memory_utilization")
+            raise ValueError(self._too_small_message(budget, per_block * needed))
         # More blocks than every sequence at full length could use only lengthens start-up;
         # what is left over still serves the prefix cache, so keep a generous cap.
         useful = self.config.scheduler_config.max_num_seqs * self.config.blocks_per_max_len_request() + 1
         return int(min(budget // per_block, useful))
 
+    def _too_small_message(self, budget: int, needed: int) -> str:
+        max_len = self.config.model_config.max_model_len
+        head = (f"the KV cache budget ({max(budget, 0) / (1 << 30):.3g} GiB) cannot hold one request of "
+                f"max_model_len={max_len} ({needed / (1 << 30):.3g} GiB)")
+        if self.device.type != "cuda":
+            return f"{head}; lower max_model_len or raise kv_cache_memory"
+        utilization = self.config.cache_config.gpu_memory_utilization
+        return (f"{head} after the weights and the activations of max_num_batched_tokens="
+                f"{self.config.scheduler_config.max_num_batched_tokens} tokens within gpu_memory_utilization="
+                f"{utilization}; lower --max-model-len, raise --gpu-memory-utilization, lower "
+                "--max-num-batched-tokens, or use a smaller model")
+
     def _kv_memory_budget(self) -> int:
         if self.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.device)
-            used = total - free
-            return int(total * self.config.cache_config.gpu_memory_utilization - used)
+            profile = measure_memory(self.device, self._profile_run)
+            graphs = graphs_enabled(self.config, self.device, self.model_runner.attn_backend)
+            reserve = _RUNTIME_RESERVE + (_CUDA_GRAPH_RESERVE if graphs else 0)
+            budget = kv_cache_budget(profile, self.config.cache_config.gpu_memory_utilization, reserve)
+            logger.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB activation peak, "
+                        "%.2f GiB reserve -> %.2f GiB for the KV cache", profile.total / (1 << 30),
+                        profile.used_after_load / (1 << 30), profile.activation_peak / (1 << 30),
+                        reserve / (1 << 30), budget / (1 << 30))
+            return budget
         memory = self.config.cache_config.kv_cache_memory_bytes
         return memory if memory is not None else int(_DEFAULT_CPU_KV_GIB * (1 << 30))
 
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """The largest step there can be: max_num_batched_tokens prompt tokens, then sampling."""
+        try:
+            profile_forward(self.model_runner, self.config)
+        except torch.cuda.OutOfMemoryError as e:
+            raise ValueError(f"a step of max_num_batched_tokens={self.config.scheduler_config.max_num_batched_tokens}"
+                             " tokens does not fit on the device next to the model; lower --max-num-batched-tokens "
+                             "or --max-model-len, or use a smaller model") from e
+
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
+        self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)
+
+
+def profile_lengths(num_tokens: int, max_model_len: int, max_num_seqs: int) -> list[int]:
+    """Sequence lengths of the profiling batch: ``num_tokens`` split into prompts of at most
+    ``max_model_len``, no more than ``max_num_seqs`` of them (a step can hold no more)."""
+    num_tokens = min(num_tokens, max_model_len * max_num_seqs)
+    full, rest = divmod(num_tokens, max_model_len)
+    return [max_model_len] * full + ([rest] if rest else [])
+
+
+def profile_forward(runner: ModelRunner, config: EngineConfig) -> None:
+    """Run the model and the sampler on the largest step, with KV writes into a throwaway one-block
+    cache per layer (every block table entry is block 0, so attention still reads full contexts)."""
+    sched = config.scheduler_config
+    lengths = profile_lengths(sched.max_num_batched_tokens, config.model_config.max_model_len, sched.max_num_seqs)
+    block_size = runner.block_size
+    for layer in (m for m in runner.model.modules() if isinstance(m, Attention)):
+        scratch = torch.zeros(2, 1, block_size, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype,
+                              device=runner.device)
+        layer.bind_kv_cache(scratch, runner.attn_backend)  # replaced by initialize_kv_cache
+    tables = [[0] * -(-n // block_size) for n in lengths]
+    input_ids, positions, attn = build_flat_batch([[0] * n for n in lengths], [0] * len(lengths), tables,
+                                                  block_size, runner.device)
+    hidden = runner.model(input_ids, positions, runner.attn_backend.build_metadata(attn))
+    # Prompt logprobs take logits of every prompt row in the step; they are freed before sampling.
+    logits = runner.model.compute_logits(hidden)
+    compute_logprobs_topk(logits, _PROFILE_LOGPROBS, torch.zeros(len(logits), dtype=torch.int64, device=runner.device))
+    del logits
+    spec = config.speculative_config
+    rows = min(hidden.shape[0], sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
+    _profile_sampler(runner, runner.model.compute_logits(hidden[:rows]))
+
+
+def _profile_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
+    """Sample every row with the memory-hungriest options: penalties, top-k/top-p sort, logprobs."""
+    rows = logits.shape[0]
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=_PROFILE_LOGPROBS)
+    metadata = SamplingMetadata.from_params([params] * rows, [[0]] * rows, [[0]] * rows, runner.vocab_size,
+                                            runner.device)
+    runner.sampler(logits, metadata)
