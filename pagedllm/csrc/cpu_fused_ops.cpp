@@ -2,8 +2,9 @@
 // and each op's dispatch costs more than its arithmetic. These replace the worst offenders with
 // one call each: RoPE on q and k in place, SiLU(gate) * up, and the paged K/V write.
 // float32 only (the CPU default); callers keep the torch path for other dtypes.
-#include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <cmath>
 #include <cstring>
@@ -31,8 +32,8 @@ void rotate_heads(float* x, int64_t heads, int64_t head_dim, int64_t half, const
 // query [T, H * D] and key [T, KVH * D] (row stride may exceed the width: views of the fused
 // qkv output); cos_sin_cache [max_pos, rot] = [cos | sin], rot = rotary_dim. Neox style: the
 // first rot/2 features pair with the next rot/2 of each head; features past rot pass through.
-void rotary_embedding_(torch::Tensor positions, torch::Tensor query, torch::Tensor key,
-                       torch::Tensor cos_sin_cache, int64_t head_dim) {
+void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key,
+                       at::Tensor cos_sin_cache, int64_t head_dim) {
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(query.stride(1) == 1 && key.stride(1) == 1 && cos_sin_cache.is_contiguous(), "bad layout");
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.is_contiguous(), "int64 positions");
@@ -53,10 +54,10 @@ void rotary_embedding_(torch::Tensor positions, torch::Tensor query, torch::Tens
 }
 
 // x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up.
-torch::Tensor silu_and_mul(torch::Tensor x) {
+at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(1) == 1, "float32 rows only");
   const int64_t tokens = x.size(0), inter = x.size(1) / 2, stride = x.stride(0);
-  auto out = torch::empty({tokens, inter}, x.options());
+  auto out = at::empty({tokens, inter}, x.options());
   const float* in = x.data_ptr<float>();
   float* o = out.data_ptr<float>();
   at::parallel_for(0, tokens * inter, 4096, [&](int64_t begin, int64_t end) {
@@ -71,7 +72,7 @@ torch::Tensor silu_and_mul(torch::Tensor x) {
 
 // key/value [T, KVH * D] rows (stride may exceed the width); kv_cache [2, blocks, block_size, KVH, D];
 // slot_mapping [T]: the flat slot of each token; a negative slot skips the token (padding).
-void write_kv_cache(torch::Tensor key, torch::Tensor value, torch::Tensor kv_cache, torch::Tensor slot_mapping) {
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping) {
   TORCH_CHECK(key.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
   TORCH_CHECK(key.stride(1) == 1 && value.stride(1) == 1 && kv_cache.is_contiguous(), "bad layout");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "int64 slots");

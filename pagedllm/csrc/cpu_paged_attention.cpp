@@ -2,8 +2,9 @@
 // paged cache through the block table (no gathered copy). Grouped-query attention: the G
 // query heads that share a KV head are processed together, so each K/V row is read once.
 // Layout: key/value cache [num_blocks, block_size, num_kv_heads, head_dim].
-#include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -61,8 +62,8 @@ void decode_one(const T* q, T* out, const T* kc, const T* vc, const int64_t* tab
 
 // query/out: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_table: [B, max_blocks] int64;
 // seq_lens: [B] int64 (tokens to attend, the new one included); window <= 0: no sliding window.
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor key_cache,
-                            torch::Tensor value_cache, torch::Tensor block_table, torch::Tensor seq_lens,
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
+                            at::Tensor value_cache, at::Tensor block_table, at::Tensor seq_lens,
                             double scale, int64_t window) {
   TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query/out must be contiguous");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");

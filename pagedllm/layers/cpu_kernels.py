@@ -1,8 +1,10 @@
 """JIT-built C++ kernels for CPU (``csrc/``), with a graceful fallback to the torch path.
 
-The build runs once per machine (cached by torch in ``~/.cache/torch_extensions``) on first
-use. ``PAGEDLLM_CPU_KERNELS=0`` turns the kernels off; a failed build logs why and the torch
-reference path is used instead.
+One shared library holds every kernel: paged decode attention, the fused small ops (RoPE,
+SiLU-and-mul, the K/V write) as ``torch.ops.pagedllm_cpu.*``, and the packed GEMM as
+``torch.ops.pagedllm_cpu_gemm.*``. It is built once per machine on first use (a few seconds;
+cached by torch in ``~/.cache/torch_extensions``). ``PAGEDLLM_CPU_KERNELS=0`` turns every kernel
+off; a failed build logs why and the torch / oneDNN paths are used instead.
 """
 
 from __future__ import annotations
@@ -11,33 +13,47 @@ import logging
 import os
 from functools import lru_cache
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_bindings.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp")]
+_SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_gemm.cpp")]
+# -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with
+# OpenMP; the library then shares torch's already-loaded libgomp (same soname), one thread pool.
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def cpu_fp32_kernels(x: torch.Tensor) -> ModuleType | None:
+def kernels_enabled(switch: str | None = None) -> bool:
+    """``PAGEDLLM_CPU_KERNELS=0`` turns off every kernel; ``switch`` (an env var name) one more."""
+    return all(os.environ.get(var, "1") != "0" for var in ("PAGEDLLM_CPU_KERNELS", switch) if var)
+
+
+@lru_cache(maxsize=1)
+def build_cpu_library() -> bool:
+    """Compile and load the library (registering its ops); False when disabled or it failed."""
+    if not kernels_enabled():
+        return False
+    try:
+        from torch.utils.cpp_extension import load
+
+        load(name="pagedllm_cpu", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        return True
+    except Exception as exc:  # no compiler or ninja: the torch path still works
+        logger.warning("CPU kernels unavailable, using the torch/oneDNN paths (%s)", exc)
+        return False
+
+
+def load_cpu_kernels() -> Any | None:
+    """``torch.ops.pagedllm_cpu`` (attention and fused ops), or None without the library."""
+    return torch.ops.pagedllm_cpu if build_cpu_library() else None
+
+
+def cpu_fp32_kernels(x: torch.Tensor) -> Any | None:
     """The kernels when ``x`` is a float32 CPU tensor they apply to, else None (use torch)."""
     if x.dtype != torch.float32 or x.device.type != "cpu":
         return None
     return load_cpu_kernels()
-
-
-@lru_cache(maxsize=1)
-def load_cpu_kernels() -> ModuleType | None:
-    """The compiled module, or None when disabled or the build failed."""
-    if os.environ.get("PAGEDLLM_CPU_KERNELS", "1") == "0":
-        return None
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(name="pagedllm_cpu_kernels", sources=[str(p) for p in _SOURCES],
-                    extra_cflags=["-O3", "-march=native", "-ffast-math"], verbose=False)
-    except Exception as exc:  # no compiler or ninja: the torch path still works
-        logger.warning("CPU kernels unavailable, using the torch path (%s)", exc)
-        return None

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
+from pagedllm.layers.cpu_gemm_kernels import can_pack, pack_weight, packed_linear
 
 # Which part of a fused parameter a checkpoint tensor fills (None for unfused parameters).
 ShardId = int | str | None
@@ -72,26 +73,33 @@ _ONEDNN_BATCH_HINT = 16
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T + b, with W either a plain tensor or a oneDNN-prepacked one (``cpu_gemm_weight``)."""
+    """x @ W^T + b, with W in any of the layouts ``cpu_gemm_weight`` returns."""
+    if weight.dim() == 3:  # [out / 16, in, 16]: packed for our CPU kernel
+        return packed_linear(x, weight, bias)
     if weight.layout == torch._mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
 
 def cpu_gemm_weight(param: nn.Parameter) -> nn.Parameter:
-    """The fastest layout for W [out, in] in CPU GEMMs; unchanged elsewhere.
+    """The fastest layout for W [out, in] in CPU GEMMs; unchanged elsewhere. It replaces W (same
+    size, no second copy).
 
-    Decode streams every weight once per step, so small-batch GEMMs are memory-bound. Measured on
-    this project's 2-core AMD machine with 30 layers of SmolLM-135M weights streamed (docs/
-    benchmarks.md): oneDNN on a weight prepacked once ran 1.6x faster than ``F.linear`` at 1 row,
-    1.9x at 16, 1.35x at 64. The prepacked copy replaces W (same size). float32 only: that is the
-    CPU default, and the other dtypes are untested here. Without oneDNN, or with
-    ``PAGEDLLM_ONEDNN=0``, W is stored column-major instead (W^T contiguous), which streams
-    sequentially in a plain row-major GEMM (1.3x at 1 row).
+    Decode streams every weight once per step, so small-batch GEMMs are memory-bound. First
+    choice: our kernel's packed layout [out / 16, in, 16] (``cpu_gemm_kernels``). Measured with
+    30 layers of SmolLM-135M weights streamed (benchmarks/cpu_gemv.py, 2-core AMD Zen 4), against
+    oneDNN on prepacked weights it runs 1.4-2x faster at 1-4 rows, 1.1-1.35x at 8-128, and level
+    at prefill sizes (512-2048 rows). It needs float32, ``out`` divisible by 16 and the kernel
+    (``PAGEDLLM_CPU_KERNELS=0`` turns it off). Otherwise oneDNN's prepacked weight (1.6x faster
+    than ``F.linear`` at 1 row, 1.9x at 16, 1.35x at 64); without oneDNN, or with
+    ``PAGEDLLM_ONEDNN=0``, W column-major (W^T contiguous), which streams sequentially in a plain
+    row-major GEMM (1.3x at 1 row).
     """
     w = param.data
     if w.device.type != "cpu" or w.dim() != 2 or w.layout != torch.strided:
         return param
+    if can_pack(w):
+        return nn.Parameter(pack_weight(w), requires_grad=False)
     if w.dtype == torch.float32 and _onednn_enabled():
         packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), _ONEDNN_BATCH_HINT)
         return nn.Parameter(packed, requires_grad=False)

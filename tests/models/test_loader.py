@@ -7,6 +7,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, unpack_weight
 from pagedllm.models.hf_config import load_hf_config, normalize_hf_config
 from pagedllm.models.loader import load_model
 from pagedllm.models.tiny import build_tiny_model
@@ -86,19 +87,29 @@ def test_tied_checkpoint_may_carry_lm_head(tmp_path):
 
 
 def _dense(w):
+    """The [out, in] values of a weight in any CPU GEMM layout (see cpu_gemm_weight)."""
+    if w.dim() == 3:
+        return unpack_weight(w)
     return w.to_dense() if w.layout == torch._mkldnn else w
 
 
 def test_cpu_weights_get_the_gemm_layout_after_loading(llama_dir, config, monkeypatch):
     model = load(llama_dir, config)
     qkv = model.model.layers[0].self_attn.qkv_proj.weight
-    if torch.backends.mkldnn.is_available():
-        assert qkv.layout == torch._mkldnn and model.lm_head.weight.layout == torch._mkldnn
+    if load_cpu_gemm() is not None:  # our kernel's packed [out / 16, in, 16]
+        assert qkv.shape == (qkv.shape[0], 64, 16)
     assert model.model.embed_tokens.weight.is_contiguous()  # lookups need the plain table
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "0")
+    load_cpu_gemm.cache_clear()
+    onednn = load(llama_dir, config).model.layers[0].self_attn.qkv_proj.weight
+    if torch.backends.mkldnn.is_available():
+        assert onednn.layout == torch._mkldnn
+    assert torch.equal(_dense(onednn), _dense(qkv))
     monkeypatch.setenv("PAGEDLLM_ONEDNN", "0")
     plain = load(llama_dir, config).model.layers[0].self_attn.qkv_proj.weight
     assert plain.t().is_contiguous() and not plain.is_contiguous()  # the column-major fallback
     assert torch.equal(plain, _dense(qkv))
+    load_cpu_gemm.cache_clear()  # monkeypatch restores the env after the test; the next load rebuilds the cache
 
 
 def test_no_safetensors_suggests_dummy(llama_dir, config, tmp_path):

@@ -1,0 +1,155 @@
+"""CPU linear layers at decode batch sizes: the packed-weight kernel vs oneDNN vs ``F.linear``.
+
+    python -m benchmarks.cpu_gemv [--rows 1 2 4 8 16 32 64 128] [--reps 15] [--layers 30]
+
+Weights are a SmolLM-135M-shaped model's (per layer qkv 960x576, o 576x576, gate_up 3072x576,
+down 576x1536; LM head 49152x576), 538 MB in all, called in model order so every call streams
+its weight from memory as a real decode step does. Each rep runs one whole "step" per method,
+the methods alternating (A B C, B C A, ...) so the machine's noise hits all alike; the table shows
+medians over reps, the weight GB/s they imply, and each method's ratio to oneDNN per shape.
+Each rep waits (up to 2 min) until other processes leave the CPUs idle, see ``--quiet``.
+The machine's copy and read bandwidth are measured in the same run for reference. The last
+stdout line is the report as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedllm.entrypoints.bench.machine import measure_limits
+from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, pack_weight, packed_linear
+
+SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
+LM_HEAD = (49152, 576)
+Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def layouts(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The weight as each method stores it."""
+    return {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 16), "flinear": w,
+            "packed": pack_weight(w)}
+
+
+METHODS: dict[str, Linear] = {
+    "onednn": lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+    "flinear": lambda x, w: F.linear(x, w),
+    "packed": lambda x, w: packed_linear(x, w),
+}
+
+
+def build(layers: int, seed: int) -> list[tuple[str, dict[str, torch.Tensor]]]:
+    """(shape name, in features, weight per method) in model order: layer by layer, then the LM head."""
+    gen = torch.Generator().manual_seed(seed)
+    calls = []
+    for _ in range(layers):
+        for name, (n, k) in SHAPES.items():
+            calls.append((name, k, layouts(torch.randn(n, k, generator=gen) * 0.02)))
+    calls.append(("lm_head", LM_HEAD[1], layouts(torch.randn(*LM_HEAD, generator=gen) * 0.02)))
+    return calls
+
+
+def run_step(method: str, calls: list, xs: dict[int, torch.Tensor]) -> dict[str, float]:
+    """Seconds per shape name for one step of ``method``."""
+    fn, spent = METHODS[method], {}
+    for name, k, weights in calls:
+        x, w = xs[k], weights[method]
+        start = time.perf_counter()
+        fn(x, w)
+        spent[name] = spent.get(name, 0.0) + time.perf_counter() - start
+    return spent
+
+
+def _cpu_ticks() -> tuple[int, int]:
+    """(all, idle + iowait) CPU ticks since boot, from Linux /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return sum(fields), fields[3] + fields[4]
+
+
+def busy_fraction(seconds: float = 0.2) -> float:
+    """Share of all CPUs busy over ``seconds`` (0.0 where /proc/stat is missing)."""
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    total0, idle0 = _cpu_ticks()
+    time.sleep(seconds)
+    total1, idle1 = _cpu_ticks()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_quiet(threshold: float, timeout: float = 120.0) -> None:
+    """On a shared machine another process on "our" cores stalls every OpenMP barrier for a
+    scheduler slice (a 2-thread GEMV then takes 10x longer): start each rep when others are idle."""
+    deadline = time.monotonic() + timeout
+    while threshold < 1.0 and time.monotonic() < deadline and busy_fraction() > threshold:
+        pass
+
+
+def bench_rows(rows: int, calls: list, reps: int, methods: list[str],
+               quiet: float) -> dict[str, dict[str, float]]:
+    """Median seconds per shape (and "step") per method at ``rows`` rows, methods interleaved."""
+    xs = {k: torch.randn(rows, k) for k in {576, 1536}}
+    samples: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
+    for rep in range(reps + 1):
+        wait_for_quiet(quiet)
+        for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:  # rotate who goes first
+            spent = run_step(method, calls, xs)
+            if rep:  # rep 0 warms up (first touch, kernel selection)
+                samples[method].append({**spent, "step": sum(spent.values())})
+    return {m: {name: statistics.median(s[name] for s in runs) for name in runs[0]}
+            for m, runs in samples.items()}
+
+
+def weight_bytes(calls: list) -> dict[str, int]:
+    nbytes: dict[str, int] = {}
+    for name, _, weights in calls:
+        nbytes[name] = nbytes.get(name, 0) + weights["flinear"].numel() * 4
+    nbytes["step"] = sum(nbytes.values())
+    return nbytes
+
+
+def report_rows(rows: int, med: dict[str, dict[str, float]], nbytes: dict[str, int]) -> None:
+    """One line per shape: each method's median, the weight GB/s and GFLOP/s it implies, xR."""
+    for name in [*SHAPES, "lm_head", "step"]:
+        base, flops = med["onednn"][name], 2 * rows * nbytes[name] / 4
+        cells = [f"{m} {med[m][name] * 1e3:7.2f} ms {nbytes[name] / med[m][name] / 1e9:5.1f} GB/s "
+                 f"{flops / med[m][name] / 1e9:5.0f} GF/s x{base / med[m][name]:4.2f}" for m in med]
+        print(f"M={rows:<4} {name:8} " + " | ".join(cells))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", type=float, default=0.1,
+                   help="start each rep once other processes use under this share of the CPUs "
+                        "(1 = never wait)")
+    args = p.parse_args()
+    if "packed" in args.methods and load_cpu_gemm() is None:
+        raise SystemExit("the packed kernel did not build (or PAGEDLLM_CPU_KERNELS=0)")
+    limits = measure_limits(copy_mib=256)
+    print(f"threads {torch.get_num_threads()}, copy {limits.copy_gbps:.1f} GB/s, read {limits.read_gbps:.1f} GB/s; "
+          "xR = oneDNN time / method time (higher is faster)")
+    calls = build(args.layers, args.seed)
+    nbytes = weight_bytes(calls)
+    results = {}
+    for rows in args.rows:
+        med = bench_rows(rows, calls, args.reps, args.methods, args.quiet)
+        report_rows(rows, med, nbytes)
+        results[rows] = med
+    print(json.dumps({"copy_gbps": limits.copy_gbps, "read_gbps": limits.read_gbps, "bytes": nbytes,
+                      "median_s": results}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,200 @@
+// fp32 GEMM y = x W^T (+ b) for CPU on a weight packed once into column panels, tuned for
+// decode: at a few rows the step is bound by streaming the weight, so the kernel reads every
+// weight byte exactly once per call, in long sequential runs, and keeps all sums in registers.
+//
+// Packed layout: W [N, K] -> P [N / 16, K, 16], P[p, k, j] = W[16 p + j, k]. One k step of a
+// panel is one 64-byte vector (16 outputs), so the inner loop is a broadcast of x[m, k] times a
+// vector load: no horizontal sums, and the same layout serves 1 row and a prefill's thousands.
+// Threads split the panels (at::parallel_for), so each weight byte is read by one core.
+//
+// Ops: packed_linear (AVX-512 when compiled for it, else the portable code) and
+// packed_linear_portable (always the portable code, so its tests run on any machine).
+// Only light ATen headers (no torch/extension.h, no pybind): the first-use build takes seconds.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kLanes = 16;  // outputs per panel: one AVX-512 vector of fp32
+constexpr int kGroup = 4;  // panels per tile: 64 outputs
+// The tallest tile: 6 rows x 4 panels = 24 accumulators; per k step 4 vector loads and 6
+// broadcasts feed 24 FMAs (enough to be compute-bound at prefill sizes).
+constexpr int64_t kMaxRows = 6;
+// Rows of x per block: the block (rows x K floats) stays in L2 while the thread's panels stream
+// past it; prefill batches are cut into such blocks, decode batches are one block.
+constexpr int64_t kXBlockBytes = 384 * 1024;
+// Least weight bytes worth waking a second thread for.
+constexpr int64_t kMinThreadBytes = 64 * 1024;
+
+struct Problem {
+  const float* x;  // [M, K], row stride ldx
+  const float* p;  // [N / 16, K, 16]
+  const float* bias;  // [N] or nullptr
+  float* y;  // [M, N], row stride ldy
+  int64_t k, ldx, ldy;
+};
+
+// Portable tile: MR rows x NR panels with plain arrays, vectorised by the compiler.
+template <int MR, int NR>
+inline void tile_portable(const Problem& pr, int64_t m0, int64_t p0) {
+  const int64_t panel = pr.k * kLanes;
+  const float* w = pr.p + p0 * panel;
+  const float* x = pr.x + m0 * pr.ldx;
+  float acc[MR][NR][kLanes] = {};
+  for (int64_t k = 0; k < pr.k; ++k)
+    for (int i = 0; i < MR; ++i) {
+      const float xv = x[i * pr.ldx + k];
+      for (int j = 0; j < NR; ++j)
+        for (int64_t l = 0; l < kLanes; ++l) acc[i][j][l] += xv * w[j * panel + k * kLanes + l];
+    }
+  for (int i = 0; i < MR; ++i)
+    for (int j = 0; j < NR; ++j)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t n = (p0 + j) * kLanes + l;
+        pr.y[(m0 + i) * pr.ldy + n] = acc[i][j][l] + (pr.bias ? pr.bias[n] : 0.f);
+      }
+}
+
+#if defined(__AVX512F__)
+constexpr bool kHaveAvx512 = true;
+
+// AVX-512 tile: the MR * NR accumulators live in registers; each k step loads NR weight vectors
+// once and reuses them for all MR rows.
+template <int MR, int NR>
+inline void tile_avx512(const Problem& pr, int64_t m0, int64_t p0) {
+  const int64_t panel = pr.k * kLanes;
+  const float* w = pr.p + p0 * panel;
+  const float* x = pr.x + m0 * pr.ldx;
+  __m512 acc[MR][NR];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < pr.k; ++k) {
+    __m512 wv[NR];
+#pragma GCC unroll 8
+    for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * panel + k * kLanes);
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i * pr.ldx + k]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int j = 0; j < NR; ++j) {
+    const __m512 b = pr.bias ? _mm512_loadu_ps(pr.bias + (p0 + j) * kLanes) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int i = 0; i < MR; ++i)
+      _mm512_storeu_ps(pr.y + (m0 + i) * pr.ldy + (p0 + j) * kLanes, _mm512_add_ps(acc[i][j], b));
+  }
+}
+#else
+constexpr bool kHaveAvx512 = false;
+#endif
+
+template <bool Simd, int MR, int NR>
+inline void tile(const Problem& pr, int64_t m0, int64_t p0) {
+#if defined(__AVX512F__)
+  if constexpr (Simd) return tile_avx512<MR, NR>(pr, m0, p0);
+#endif
+  tile_portable<MR, NR>(pr, m0, p0);
+}
+
+// Panels [p0, p1) for MR rows at m0: groups of 4 panels, then the 1-3 left over.
+template <bool Simd, int MR>
+void row_tiles(const Problem& pr, int64_t m0, int64_t p0, int64_t p1) {
+  int64_t p = p0;
+  for (; p + kGroup <= p1; p += kGroup) tile<Simd, MR, kGroup>(pr, m0, p);
+  for (; p < p1; ++p) tile<Simd, MR, 1>(pr, m0, p);
+}
+
+// A tile exactly as tall as the rows left (decode batches of 1-5 rows are one tile), so each
+// weight vector is loaded from memory once.
+template <bool Simd>
+void rows(const Problem& pr, int64_t m0, int64_t mr, int64_t p0, int64_t p1) {
+  switch (mr) {
+    case 1: return row_tiles<Simd, 1>(pr, m0, p0, p1);
+    case 2: return row_tiles<Simd, 2>(pr, m0, p0, p1);
+    case 3: return row_tiles<Simd, 3>(pr, m0, p0, p1);
+    case 4: return row_tiles<Simd, 4>(pr, m0, p0, p1);
+    case 5: return row_tiles<Simd, 5>(pr, m0, p0, p1);
+    default: return row_tiles<Simd, kMaxRows>(pr, m0, p0, p1);
+  }
+}
+
+// One thread's panels [p0, p1) for all M rows. Within an x block, a group of panels is the
+// outer loop: its weights come from memory once and from cache for every further row tile.
+template <bool Simd>
+void run_panels(const Problem& pr, int64_t m, int64_t p0, int64_t p1) {
+  const int64_t block = std::max(kMaxRows, kXBlockBytes / (pr.k * 4) / kMaxRows * kMaxRows);
+  for (int64_t mb = 0; mb < m; mb += block) {
+    const int64_t me = std::min(m, mb + block);
+    for (int64_t g = p0; g < p1; g += kGroup) {
+      const int64_t ge = std::min(p1, g + kGroup);
+      for (int64_t m0 = mb; m0 < me; m0 += kMaxRows) rows<Simd>(pr, m0, std::min(kMaxRows, me - m0), g, ge);
+    }
+  }
+}
+
+const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n) {
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat,
+              "bias must be a contiguous float32 tensor of ", n, " elements");
+  return bias->data_ptr<float>();
+}
+
+// x: [..., K] fp32; packed: [N / 16, K, 16] fp32 (see the top); bias: [N] or None -> [..., N].
+template <bool Simd>
+at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.is_contiguous(),
+              "packed weight must be a contiguous [N/16, K, 16] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "float32 only");
+  const int64_t k = packed.size(1), panels = packed.size(0), n = panels * kLanes;
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
+  at::Tensor x2 = x.reshape({-1, k});
+  if (x2.stride(1) != 1) x2 = x2.contiguous();
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor y = at::empty(out_shape, x.options());
+  const int64_t m = x2.size(0);
+  if (m == 0) return y;
+  const Problem pr{x2.data_ptr<float>(), packed.data_ptr<float>(), checked_bias(bias, n),
+                   y.data_ptr<float>(), k, x2.stride(0), n};
+  // Tiny weights (test models) stay on one thread: a parallel region costs more than they do.
+  const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (k * kLanes * 4));
+  at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) { run_panels<Simd>(pr, m, p0, p1); });
+  return y;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
+  return run<kHaveAvx512>(x, packed, bias);
+}
+
+at::Tensor packed_linear_portable(const at::Tensor& x, const at::Tensor& packed,
+                                  const std::optional<at::Tensor>& bias) {
+  return run<false>(x, packed, bias);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pagedllm_cpu_gemm, m) {
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+  m.def("packed_linear_portable(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu_gemm, CPU, m) {
+  m.impl("packed_linear", &packed_linear);
+  m.impl("packed_linear_portable", &packed_linear_portable);
+}

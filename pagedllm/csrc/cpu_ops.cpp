@@ -1,0 +1,27 @@
+// Registers the CPU kernels as torch.ops.pagedllm_cpu.* (a plain shared library, no pybind:
+// the build is several times faster and a call costs ~2 us of dispatch).
+#include <ATen/core/Tensor.h>
+#include <torch/library.h>
+
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                            at::Tensor block_table, at::Tensor seq_lens, double scale, int64_t window);
+void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor cos_sin_cache,
+                       int64_t head_dim);
+at::Tensor silu_and_mul(at::Tensor x);
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping);
+
+TORCH_LIBRARY(pagedllm_cpu, m) {
+  m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
+        "Tensor block_table, Tensor seq_lens, float scale, int window) -> ()");
+  m.def("rotary_embedding_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
+        "int head_dim) -> ()");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rotary_embedding_", &rotary_embedding_);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("write_kv_cache", &write_kv_cache);
+}

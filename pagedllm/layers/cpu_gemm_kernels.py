@@ -1,0 +1,61 @@
+"""The JIT-built CPU GEMM kernel (``csrc/cpu_gemm.cpp``) and its packed weight layout.
+
+Decode at a few rows is bound by streaming the weights, and neither ``F.linear`` nor oneDNN's
+prepacked GEMV gets near the machine's read bandwidth there; this kernel does, and on the same
+packed layout it also matches or beats oneDNN from 16 rows up to prefill sizes
+(``python -m benchmarks.cpu_gemv``), so one copy of each weight serves every batch size.
+
+It lives in the one CPU kernel library (``layers/cpu_kernels.py``). ``PAGEDLLM_CPU_KERNELS=0``
+turns it off (the other kernels too; ``PAGEDLLM_CPU_GEMM=0`` only this one); without it the
+linears keep the oneDNN / torch path.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+from pagedllm.layers.cpu_kernels import build_cpu_library, kernels_enabled
+
+# Outputs per packed panel: one AVX-512 vector of float32 (kLanes in the kernel).
+PANEL = 16
+
+PackedLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@lru_cache(maxsize=1)
+def load_cpu_gemm() -> PackedLinear | None:
+    """``packed_linear(x, packed, bias)`` built for this CPU, or None when disabled
+    (``PAGEDLLM_CPU_GEMM=0`` turns off only this kernel, for A/B runs against oneDNN) or the
+    build failed."""
+    if not kernels_enabled("PAGEDLLM_CPU_GEMM") or not build_cpu_library():
+        return None
+    return torch.ops.pagedllm_cpu_gemm.packed_linear.default
+
+
+def can_pack(w: torch.Tensor) -> bool:
+    """Whether ``w`` [out, in] takes the packed layout: CPU float32 with out % 16 == 0 (so the
+    packed shape keeps ``out``), and the kernel built."""
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and w.layout == torch.strided and w.shape[0] % PANEL == 0 and load_cpu_gemm() is not None)
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """W [N, K] -> P [N / 16, K, 16] with P[p, k, j] = W[16 p + j, k]: the kernel's layout."""
+    n, k = w.shape
+    return w.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
+
+
+def unpack_weight(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_weight`` (a new [N, K] tensor)."""
+    panels, k, lanes = p.shape
+    return p.transpose(1, 2).reshape(panels * lanes, k)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T + b for a ``pack_weight`` weight: [..., N]."""
+    kernel = load_cpu_gemm()
+    assert kernel is not None, "packed weights exist only when the kernel built"
+    return kernel(x, packed, bias)

@@ -1,0 +1,132 @@
+"""The packed-weight CPU GEMM kernel (csrc/cpu_gemm.cpp) against F.linear, and how the linear
+layers pick it up or fall back."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.cpp_extension
+
+from pagedllm.layers import cpu_gemm_kernels as kernels
+from pagedllm.layers import cpu_kernels
+from pagedllm.layers.linear import ReplicatedLinear, cpu_gemm_weight, linear
+
+# Row counts cover every tile height (1-6), several tiles, and the x-block split (K=1536 -> 60 rows).
+ROWS = [0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 130]
+# (out, in): one panel, a 4-panel group plus a remainder, an odd K, a wide K.
+SHAPES = [(16, 1), (96, 64), (48, 33), (80, 1536)]
+
+
+@pytest.fixture(scope="module")
+def native():
+    op = kernels.load_cpu_gemm()
+    if op is None:
+        pytest.skip("the C++ GEMM kernel could not be built here")
+    return op
+
+
+@pytest.fixture(scope="module")
+def portable(native):
+    """The code path CPUs without AVX-512 get (same build, its own op)."""
+    return torch.ops.pagedllm_cpu_gemm.packed_linear_portable.default
+
+
+def _check(op, rows, n, k, with_bias):
+    torch.manual_seed(rows * 1000 + n + k)
+    w, x = torch.randn(n, k), torch.randn(rows, k)
+    b = torch.randn(n) if with_bias else None
+    torch.testing.assert_close(op(x, kernels.pack_weight(w), b), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_native_matches_f_linear(native, rows, n, k):
+    _check(native, rows, n, k, with_bias=rows % 2 == 1)
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5, 13])
+def test_portable_matches_f_linear(portable, rows, n, k):
+    _check(portable, rows, n, k, with_bias=True)
+
+
+def test_smollm_shapes_across_threads(native):
+    # Real sizes: many panels split over the threads, K=576 and 1536.
+    for n, k in [(960, 576), (576, 1536), (3072, 576)]:
+        for rows in (1, 4, 16):
+            _check(native, rows, n, k, with_bias=False)
+
+
+def test_batched_and_strided_inputs(native):
+    w = torch.randn(32, 64)
+    x = torch.randn(5, 3, 64)
+    packed = kernels.pack_weight(w)
+    torch.testing.assert_close(native(x, packed, None), F.linear(x, w))
+    xt = x.transpose(0, 1)  # rows not evenly strided: copied, same answer
+    torch.testing.assert_close(native(xt, packed, None), F.linear(xt, w))
+    wide = torch.randn(4, 128)[:, :64]  # rows strided, last dim contiguous: read in place
+    torch.testing.assert_close(native(wide, packed, None), F.linear(wide, w))
+
+
+def test_pack_roundtrip():
+    w = torch.randn(48, 7)
+    packed = kernels.pack_weight(w)
+    assert packed.shape == (3, 7, 16) and packed[1, 2, 5] == w[21, 2]
+    assert torch.equal(kernels.unpack_weight(packed), w)
+
+
+def test_bad_inputs_are_errors(native):
+    packed = kernels.pack_weight(torch.randn(16, 8))
+    with pytest.raises(RuntimeError, match="features"):
+        native(torch.randn(2, 9), packed, None)
+    with pytest.raises(RuntimeError, match="bias"):
+        native(torch.randn(2, 8), packed, torch.randn(15))
+
+
+def test_linear_layer_uses_the_packed_layout(native):
+    layer = ReplicatedLinear(64, 96, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    dense = layer.weight.detach().clone()
+    layer.process_weights_after_loading()
+    assert layer.weight.shape == (6, 64, 16)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), rtol=1e-4, atol=1e-4)
+
+
+def test_odd_out_features_keep_the_old_layout(native):
+    w = torch.nn.Parameter(torch.randn(20, 8))  # 20 % 16 != 0: oneDNN / column-major
+    packed = cpu_gemm_weight(w)
+    assert packed.dim() == 2
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(linear(x, packed), F.linear(x, w.detach()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def fresh_loader():
+    for cached in (kernels.load_cpu_gemm, cpu_kernels.build_cpu_library):
+        cached.cache_clear()
+    yield
+    for cached in (kernels.load_cpu_gemm, cpu_kernels.build_cpu_library):
+        cached.cache_clear()
+
+
+def test_env_var_turns_the_kernel_off(fresh_loader, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    assert kernels.load_cpu_gemm() is None
+    assert cpu_gemm_weight(torch.nn.Parameter(torch.randn(32, 8))).dim() == 2
+
+
+def test_failed_build_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no c++ compiler")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
+        assert kernels.load_cpu_gemm() is None
+    assert "no c++ compiler" in caplog.text
+    w = torch.randn(32, 8)
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(linear(x, cpu_gemm_weight(torch.nn.Parameter(w))), F.linear(x, w),
+                               rtol=1e-4, atol=1e-4)
