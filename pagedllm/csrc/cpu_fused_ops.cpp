@@ -88,3 +88,44 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::T
     std::memcpy(kc + plane + slots[t] * width, v + t * value.stride(0), width * sizeof(float));
   }
 }
+
+namespace {
+
+// out = x / sqrt(mean(x^2) + eps) * w for one row, in float32 like the torch reference.
+void rms_norm_row(float* out, const float* x, const float* w, int64_t n, float eps) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+}
+
+}  // namespace
+
+// out/x [T, H] contiguous, weight [H]: out = rms_norm(x) * weight.
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && out.is_contiguous(), "float32 rows only");
+  const int64_t tokens = x.size(0), n = x.size(1);
+  const float* in = x.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rms_norm_row(o + t * n, in + t * n, w, n, static_cast<float>(eps));
+  });
+}
+
+// The pre-norm decoder's residual step, in place: residual += x; x = rms_norm(residual) * weight.
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && residual.is_contiguous(), "float32 rows only");
+  const int64_t tokens = x.size(0), n = x.size(1);
+  float* h = x.data_ptr<float>();
+  float* r = residual.data_ptr<float>();
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* hr = h + t * n;
+      float* rr = r + t * n;
+      for (int64_t i = 0; i < n; ++i) rr[i] += hr[i];
+      rms_norm_row(hr, rr, w, n, static_cast<float>(eps));
+    }
+  });
+}

@@ -9,6 +9,8 @@ void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key, a
                        int64_t head_dim);
 at::Tensor silu_and_mul(at::Tensor x);
 void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping);
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 
 TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
@@ -17,6 +19,8 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
         "int head_dim) -> ()");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("write_kv_cache(Tensor key, Tensor value, Tensor(a!) kv_cache, Tensor slot_mapping) -> ()");
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
@@ -24,4 +28,6 @@ TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("fused_add_rms_norm_", &fused_add_rms_norm_);
 }

@@ -60,17 +60,20 @@ void decode_one(const T* q, T* out, const T* kc, const T* vc, const int64_t* tab
 
 }  // namespace
 
-// query/out: [B, H, D]; caches: [num_blocks, block_size, KVH, D]; block_table: [B, max_blocks] int64;
+// query/out: [B, H, D] (query rows may be strided); caches: [num_blocks, block_size, KVH, D]; block_table: [B, max_blocks] int64;
 // seq_lens: [B] int64 (tokens to attend, the new one included); window <= 0: no sliding window.
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache,
                             at::Tensor value_cache, at::Tensor block_table, at::Tensor seq_lens,
                             double scale, int64_t window) {
-  TORCH_CHECK(query.is_contiguous() && out.is_contiguous(), "query/out must be contiguous");
+  // The query may be a strided view (rows of the fused qkv output); heads and features are dense.
+  TORCH_CHECK(out.is_contiguous() && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "out must be contiguous and query rows [H, D] dense");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "caches must be contiguous");
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
   const int64_t group = heads / kv_heads, max_blocks = block_table.size(1);
+  const int64_t q_row_stride = query.stride(0);
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
@@ -82,8 +85,9 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
       std::vector<float> scores, acc;
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / kv_heads, h = i % kv_heads;
-        const int64_t q_off = (b * heads + h * group) * dim;
-        decode_one<scalar_t>(q + q_off, o + q_off, kc + h * dim, vc + h * dim, table + b * max_blocks,
+        const int64_t q_off = b * q_row_stride + h * group * dim;
+        const int64_t o_off = (b * heads + h * group) * dim;
+        decode_one<scalar_t>(q + q_off, o + o_off, kc + h * dim, vc + h * dim, table + b * max_blocks,
                              lens[b], window, block_size, block_size * kv_heads * dim, kv_heads * dim,
                              group, dim, static_cast<float>(scale), scores, acc);
       }

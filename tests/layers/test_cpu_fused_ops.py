@@ -43,3 +43,28 @@ def test_write_kv_uses_the_kernel_only_for_float32_cpu(monkeypatch):
     k = torch.randn(2, 8, dtype=torch.bfloat16)
     base.write_kv(cache, k, k, torch.tensor([0, 5]))
     assert calls == [torch.bfloat16] and torch.equal(cache[0].view(-1, 8)[5], k[1])
+
+
+def test_rms_norm_kernels_match_torch():
+    x, residual, weight = torch.randn(9, 576) * 3, torch.randn(9, 576), torch.rand(576) + 0.5
+    out = torch.empty_like(x)
+    kernels.rms_norm(out, x, weight, 1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    h, r = x.clone(), residual.clone()
+    kernels.fused_add_rms_norm_(h, r, weight, 1e-5)
+    torch.testing.assert_close(r, x + residual, rtol=0, atol=0)
+    torch.testing.assert_close(h, F.rms_norm(x + residual, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_reads_a_strided_query():
+    """The kernel takes q as a view of the fused qkv rows; the result equals a contiguous copy's."""
+    heads, kv_heads, dim, block = 4, 2, 16, 4
+    cache = torch.randn(2, 6, block, kv_heads, dim)
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * dim)
+    q = qkv[:, :heads * dim].view(3, heads, dim)
+    table = torch.tensor([[1, 2, 3], [4, 5, 0], [2, 1, 0]])
+    lens = torch.tensor([9, 5, 8])
+    strided, dense = torch.empty(3, heads, dim), torch.empty(3, heads, dim)
+    kernels.paged_decode_attention(strided, q, cache[0], cache[1], table, lens, 0.25, 0)
+    kernels.paged_decode_attention(dense, q.contiguous(), cache[0], cache[1], table, lens, 0.25, 0)
+    assert torch.equal(strided, dense)

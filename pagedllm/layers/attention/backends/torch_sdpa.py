@@ -39,6 +39,7 @@ class TorchAttentionMetadata:
     decode_table: torch.Tensor | None  # [Bd, max_blocks] (kernel path)
     prefills: list[PrefillSeq]
     num_tokens: int
+    all_rowwise: bool = False  # every token is a row-wise query, in batch order: no gather/scatter
     _masks: dict = field(default_factory=dict)  # per sliding window, built on first use
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
@@ -130,14 +131,14 @@ class TorchAttentionBackend(AttentionBackend):
             for i in prefill_idx
         ]
         return TorchAttentionMetadata(common.slot_mapping, decode_rows, decode_slots, decode_lens,
-                                      decode_table, prefills, common.num_actual_tokens)
+                                      decode_table, prefills, common.num_actual_tokens, all_rowwise=not prefills)
 
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
         kv_cache = layer.kv_cache
         write_kv(kv_cache, k, v, metadata.slot_mapping)
         num_heads, num_kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
         if metadata.decode_table is not None:
@@ -155,12 +156,15 @@ class TorchAttentionBackend(AttentionBackend):
         return out.view(-1, num_heads * head_dim)
 
     def _decode_kernel(self, layer, q, out, kv_cache, metadata: TorchAttentionMetadata) -> None:
+        kernel = self._kernels(q.device).paged_decode_attention
+        args = (kv_cache[0], kv_cache[1], metadata.decode_table, metadata.decode_seq_lens, layer.scale,
+                layer.sliding_window or 0)
+        if metadata.all_rowwise:  # the kernel reads the strided q view and writes out directly
+            kernel(out, q, *args)
+            return
         rows = metadata.decode_rows
-        query = q[rows].contiguous()
-        result = torch.empty_like(query)
-        self._kernels(q.device).paged_decode_attention(
-            result, query, kv_cache[0], kv_cache[1], metadata.decode_table, metadata.decode_seq_lens,
-            layer.scale, layer.sliding_window or 0)
+        result = torch.empty((rows.shape[0], *q.shape[1:]), dtype=q.dtype, device=q.device)
+        kernel(result, q[rows], *args)
         out[rows] = result
 
     @staticmethod
