@@ -43,7 +43,10 @@ void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key,
   float* q = query.data_ptr<float>();
   float* k = key.data_ptr<float>();
   const float* cache = cos_sin_cache.data_ptr<float>();
-  const int64_t q_stride = query.stride(0), k_stride = key.stride(0);
+  const int64_t q_stride = query.stride(0), k_stride = key.stride(0), max_pos = cos_sin_cache.size(0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < max_pos, "position ", pos[t], " is outside the RoPE table (", max_pos, ")");
+  }
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = cache + pos[t] * 2 * half;

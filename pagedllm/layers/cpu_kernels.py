@@ -9,6 +9,7 @@ off; a failed build logs why and the torch / oneDNN paths are used instead.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 from functools import lru_cache
@@ -39,12 +40,24 @@ def build_cpu_library() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name="pagedllm_cpu", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
+        load(name=f"pagedllm_cpu_{_cpu_tag()}", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
              extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
         return True
     except Exception as exc:  # no compiler or ninja: the torch path still works
         logger.warning("CPU kernels unavailable, using the torch/oneDNN paths (%s)", exc)
         return False
+
+
+def _cpu_tag() -> str:
+    """A short hash of the CPU's feature flags: the build uses -march=native, and a cache directory
+    shared between different CPUs (a network home) must not hand one CPU the other's binary."""
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        import platform
+
+        flags = platform.machine() + platform.processor()
+    return hashlib.sha256(flags.encode()).hexdigest()[:8]
 
 
 def load_cpu_kernels() -> Any | None:

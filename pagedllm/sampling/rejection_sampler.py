@@ -66,8 +66,8 @@ def rejection_sample(
         bonus_token_ids: [B] int64, a target sample at the position after each request's last draft.
         is_greedy: per request, temperature 0.
         generators: request index -> its seeded generator. A seeded random request with drafts
-            draws all its randomness here from it (k uniforms, then one V-sized exponential
-            draw), so its output does not depend on the rest of the batch.
+            draws its randomness here from it (k uniforms, then one V-sized exponential draw for
+            a recovered token), after the caller's bonus draw, in that fixed order.
 
     Returns:
         B lists of 1..k_i + 1 token ids. Inputs are not modified; one device-to-host copy (the only sync).

@@ -54,7 +54,9 @@ def speculation_room(state: CachedRequestState, k: int, max_model_len: int) -> i
     if (params.structured_outputs is not None or params.presence_penalty or params.frequency_penalty
             or params.repetition_penalty != 1.0 or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens):
         return 0
-    room = min(k, max_model_len - len(state.token_ids))
+    # The step emits up to room + 1 tokens; a draft model then runs on the last of them, so its
+    # position (len + room) must stay below max_model_len.
+    room = min(k, max_model_len - len(state.token_ids) - 1)
     if params.max_tokens is not None:
         room = min(room, params.max_tokens - (len(state.token_ids) - state.num_prompt_tokens) - 1)
     return max(room, 0)

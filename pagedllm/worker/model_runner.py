@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -95,7 +96,8 @@ class ModelRunner:
         self._compute_prompt_logprobs(batch, hidden, output)
         if batch.sample_req_ids:
             self._sample(batch, hidden, output, sched.grammar_bitmask)
-            self._propose(batch, hidden, output)
+        # Every step, sampled or not: a draft model must see each prefill chunk to keep its KV whole.
+        self._propose(batch, hidden, output)
         return output
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
@@ -135,8 +137,11 @@ class ModelRunner:
         probs = [self.draft_probs.get(s.req_id) for s in states]
         draft_probs = None
         if any(p is not None for p in probs):
-            rows = [p[:k] if p is not None else torch.zeros(k, self.vocab_size, device=self.device)
-                    for p, k in zip(probs, batch.num_draft_tokens)]
+            # A request without stored distributions (greedy, which never reads them) gets one-hot
+            # rows at its proposals: exact for any proposer, should one ever be verified randomly.
+            drafts = torch.tensor(batch.draft_token_ids, device=self.device).split(batch.num_draft_tokens)
+            rows = [p[:len(d)] if p is not None else F.one_hot(d, self.vocab_size).float()
+                    for p, d in zip(probs, drafts)]
             draft_probs = torch.cat(rows)
         return DraftBatch(batch.num_draft_tokens, batch.draft_token_ids, draft_probs,
                           [s.sampling_params.temperature < SAMPLING_EPS for s in states],

@@ -134,3 +134,23 @@ def test_sampled_distribution_matches_plain_sampling(tiny_model_dir):
     table = [[row[j] for j in keep] for row in table]
     _, p_value, _, _ = scipy_stats.chi2_contingency(table)
     assert p_value > 1e-3, (cells, table)
+
+
+def test_draft_model_sees_every_prefill_chunk(llama_model_dir):
+    """A 100-token prompt in 16-token chunks: most chunk steps sample nothing, and the draft must
+    still fill its KV for them, or its guesses (here: the target itself) would stop matching."""
+    spec = {"method": "draft_model", "model": str(llama_model_dir), "num_speculative_tokens": 3}
+    prompts = [list(range(20, 120))]
+    _, outputs = _generate(llama_model_dir, GREEDY, prompts, speculative_config=spec, max_num_batched_tokens=16)
+    assert outputs[0].metrics.spec_acceptance_rate == 1.0
+
+
+def test_draft_model_runs_up_to_max_model_len(llama_model_dir):
+    """Draft and target both allow exactly max_model_len positions; accepting every proposal
+    right up to the end must not run the draft past its position table."""
+    spec = {"method": "draft_model", "model": str(llama_model_dir), "num_speculative_tokens": 4}
+    params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # max_model_len binds
+    _, outputs = _generate(llama_model_dir, params, [list(range(20, 500))], speculative_config=spec,
+                           max_model_len=512)
+    assert len(outputs[0].outputs[0].token_ids) == 512 - 480
+    assert outputs[0].outputs[0].finish_reason == "length"

@@ -95,8 +95,8 @@ def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch
     return block_table[:, pos // block_size] * block_size + pos % block_size
 
 
-# Queries up to this long (decodes, speculative verification, short chunks) run row by row on
-# the paged decode path; longer ones as one SDPA call each over a gathered K/V.
+# With the CPU kernel, queries up to this long (decodes, speculative verification, short chunks)
+# run row by row on the paged decode path; longer ones as one SDPA call each over a gathered K/V.
 MAX_ROWWISE_QUERY_LEN = 17
 
 
@@ -111,10 +111,12 @@ class TorchAttentionBackend(AttentionBackend):
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         query_lens = common.query_lens_cpu()
-        short_idx = [i for i, n in enumerate(query_lens) if n <= MAX_ROWWISE_QUERY_LEN]
-        prefill_idx = [i for i, n in enumerate(query_lens) if n > MAX_ROWWISE_QUERY_LEN]
-        loc, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
         device = common.block_table.device
+        # The gather fallback copies K/V per row: keep it to true decodes (one row per request).
+        rowwise = MAX_ROWWISE_QUERY_LEN if self._kernels(device) is not None else 1
+        short_idx = [i for i, n in enumerate(query_lens) if n <= rowwise]
+        prefill_idx = [i for i, n in enumerate(query_lens) if n > rowwise]
+        loc, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
         decode_rows = decode_slots = decode_lens = decode_table = None
         if short_idx:
             rows, lens, owners = _rowwise_queries(short_idx, query_lens, loc, seq_lens)
