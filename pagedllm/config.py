@@ -19,6 +19,7 @@ _DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp1
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _POLICIES = ("fcfs", "priority")
+_QUANTIZATIONS = ("int8",)  # layers/quantization.py (kept here too: this module is torch-free)
 _STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
 GiB = 1 << 30
 
@@ -34,6 +35,7 @@ class ModelConfig:
     seed: int
     trust_remote_code: bool
     served_model_name: str
+    quantization: str | None = None  # None | int8 (weight-only, CPU float32)
 
     @property
     def dtype_bytes(self) -> int:
@@ -148,6 +150,7 @@ class EngineArgs:
     speculative_model: str | None = None  # older spelling: a draft model directory, or "[ngram]"
     num_speculative_tokens: int | None = None
     enforce_eager: bool = False  # CUDA: no CUDA graphs for decode steps
+    quantization: str | None = None  # "int8": weight-only int8 linears (CPU, float32)
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -182,12 +185,14 @@ class EngineArgs:
 
     def _model_config(self, model_dir: str, arch: ModelArchConfig, device: str) -> ModelConfig:
         _choice("load_format", self.load_format, _LOAD_FORMATS)
+        dtype = _resolve_dtype(self.dtype, arch, device)
+        _check_quantization(self.quantization, device, dtype)
         return ModelConfig(
-            model=model_dir, tokenizer=self.tokenizer or model_dir, arch=arch,
-            dtype=_resolve_dtype(self.dtype, arch, device),
+            model=model_dir, tokenizer=self.tokenizer or model_dir, arch=arch, dtype=dtype,
             max_model_len=_resolve_max_model_len(self.max_model_len, arch),
             load_format=self.load_format, seed=self.seed, trust_remote_code=self.trust_remote_code,
-            served_model_name=self.served_model_name or (self.model or "pagedllm-demo"))
+            served_model_name=self.served_model_name or (self.model or "pagedllm-demo"),
+            quantization=self.quantization)
 
     def _cache_config(self) -> CacheConfig:
         _positive("block_size", self.block_size)
@@ -274,6 +279,21 @@ def _resolve_dtype(dtype: str, arch: ModelArchConfig, device: str) -> str:
         return "float32"  # bf16/fp16 matmuls are several times slower than fp32 on CPUs without AMX
     checkpoint = _DTYPE_ALIASES.get(arch.torch_dtype or "", arch.torch_dtype)
     return "bfloat16" if checkpoint in (None, "float32") else checkpoint
+
+
+def _check_quantization(quantization: str | None, device: str, dtype: str) -> None:
+    """int8 is weight-only for the CPU float32 kernels (decode there is bound by weight bytes)."""
+    if quantization is None:
+        return
+    if quantization not in _QUANTIZATIONS:
+        raise ValueError(f"quantization must be None (off) or one of {', '.join(_QUANTIZATIONS)}; "
+                         f"got {quantization!r}")
+    if device != "cpu":
+        raise ValueError(f"quantization={quantization!r} runs on CPU only, the device is {device}; "
+                         "pass device='cpu' (--device cpu) or drop the quantization")
+    if dtype != "float32":
+        raise ValueError(f"quantization={quantization!r} needs dtype float32 (activations stay float32), got "
+                         f"{dtype}; pass dtype='float32' (or 'auto') or drop the quantization")
 
 
 def _resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:

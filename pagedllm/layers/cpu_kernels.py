@@ -1,9 +1,10 @@
 """JIT-built C++ kernels for CPU (``csrc/``), with a graceful fallback to the torch path.
 
 One shared library holds every kernel: paged decode attention, the fused small ops (RoPE,
-SiLU-and-mul, the K/V write) as ``torch.ops.pagedllm_cpu.*``, and the packed GEMM as
-``torch.ops.pagedllm_cpu_gemm.*``. It is built once per machine on first use (a few seconds;
-cached by torch in ``~/.cache/torch_extensions``). ``PAGEDLLM_CPU_KERNELS=0`` turns every kernel
+SiLU-and-mul, the K/V write) as ``torch.ops.pagedllm_cpu.*``, the packed GEMM as
+``torch.ops.pagedllm_cpu_gemm.*`` and its weight-only int8 variant as ``torch.ops.pagedllm_cpu_int8.*``.
+It is built once per machine on first use (a few seconds; cached by torch in
+``~/.cache/torch_extensions``). ``PAGEDLLM_CPU_KERNELS=0`` turns every kernel
 off; a failed build logs why and the torch / oneDNN paths are used instead.
 """
 
@@ -21,7 +22,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_gemm.cpp")]
+_SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_gemm.cpp",
+                                      "cpu_gemm_int8.cpp")]
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with
 # OpenMP; the library then shares torch's already-loaded libgomp (same soname), one thread pool.
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]

@@ -8,6 +8,7 @@ Weights use the checkpoint layout ``[out_features, in_features]``.
 
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -16,6 +17,9 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from pagedllm.layers.cpu_gemm_kernels import can_pack, pack_weight, packed_linear
+from pagedllm.layers.quantization import can_quantize, check_quantization, packed_linear_int8, quantize_and_pack
+
+logger = logging.getLogger(__name__)
 
 # Which part of a fused parameter a checkpoint tensor fills (None for unfused parameters).
 ShardId = int | str | None
@@ -57,23 +61,42 @@ class LinearBase(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
+        # Per-output-channel scale of an int8 weight (``--quantization int8``), else None.
+        self.weight_scale: torch.Tensor | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
-    def process_weights_after_loading(self) -> None:
+    def process_weights_after_loading(self, quantization: str | None = None) -> None:
+        """Re-lay out W for the device; ``quantization="int8"`` stores it as packed int8 with a
+        per-output-channel scale instead (CPU float32 only; a weight the int8 kernel cannot take
+        keeps its float layout, with a warning)."""
+        check_quantization(quantization)
+        if quantization == "int8" and can_quantize(self.weight.data):
+            packed, scale = quantize_and_pack(self.weight.data)
+            self.weight = nn.Parameter(packed, requires_grad=False)
+            self.weight_scale = scale
+            return
+        if quantization == "int8":
+            logger.warning("int8 quantization skipped for a %s weight of shape %s (needs the CPU kernels, "
+                           "float32 and out_features %% 16 == 0); it stays in %s", self.weight.device.type,
+                           tuple(self.weight.shape), self.weight.dtype)
         self.weight = cpu_gemm_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale)
 
 
 # oneDNN's prepacked weights, tuned for this many rows (decode batches are small).
 _ONEDNN_BATCH_HINT = 16
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ W^T + b, with W in any of the layouts ``cpu_gemm_weight`` returns."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T + b, with W in any of the layouts ``cpu_gemm_weight`` returns, or packed int8 with
+    its per-output-channel ``weight_scale`` (``quantization.quantize_and_pack``)."""
+    if weight_scale is not None:  # int8 [out / 16, in, 16]
+        return packed_linear_int8(x, weight, weight_scale, bias)
     if weight.dim() == 3:  # [out / 16, in, 16]: packed for our CPU kernel
         return packed_linear(x, weight, bias)
     if weight.layout == torch._mkldnn:
@@ -202,5 +225,5 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias so the all-reduce counts it once.
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None, self.weight_scale)
         return all_reduce(y)

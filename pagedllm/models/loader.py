@@ -8,6 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from pagedllm.layers.linear import LinearBase
+from pagedllm.layers.quantization import check_quantization
 from pagedllm.models.hf_config import ModelArchConfig
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, safetensors_files
@@ -17,9 +19,12 @@ _MAX_LISTED = 10
 
 
 def load_model(model_dir: str | None, arch: ModelArchConfig, *, load_format: str = "auto",
-               dtype: torch.dtype, device: torch.device, seed: int = 0) -> nn.Module:
+               dtype: torch.dtype, device: torch.device, seed: int = 0,
+               quantization: str | None = None) -> nn.Module:
     """The model for ``arch`` in eval mode without gradients, its weights from ``model_dir``
-    ("auto"/"safetensors") or random ("dummy", seeded by ``seed``; no files needed)."""
+    ("auto"/"safetensors") or random ("dummy", seeded by ``seed``; no files needed).
+    ``quantization="int8"``: the linear layers' weights become int8 (``layers/quantization.py``)."""
+    check_quantization(quantization)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     files = None if load_format == "dummy" else _checkpoint_files(model_dir)
@@ -28,15 +33,18 @@ def load_model(model_dir: str | None, arch: ModelArchConfig, *, load_format: str
         init_dummy_weights(model, seed)
     else:
         _load_checkpoint(model, files, model_dir)
-    process_weights_after_loading(model)
+    process_weights_after_loading(model, quantization)
     return model.eval().requires_grad_(False)
 
 
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Let each layer re-lay out its loaded weights for the device (e.g. column-major on CPU)."""
+def process_weights_after_loading(model: nn.Module, quantization: str | None = None) -> None:
+    """Let each layer re-lay out its loaded weights for the device (e.g. column-major on CPU).
+    Only the linear layers quantize: the LM head (tied to the embedding or not) stays float, its
+    logits are what sampling reads."""
     for module in model.modules():
-        hook = getattr(module, "process_weights_after_loading", None)
-        if hook is not None:
+        if isinstance(module, LinearBase):
+            module.process_weights_after_loading(quantization)
+        elif (hook := getattr(module, "process_weights_after_loading", None)) is not None:
             hook()
 
 

@@ -48,7 +48,7 @@ class ModelRunner:
     def load_model(self) -> None:
         mc = self.config.model_config
         self.model = load_model(mc.model, mc.arch, load_format=mc.load_format, dtype=self.dtype,
-                                device=self.device, seed=mc.seed)
+                                device=self.device, seed=mc.seed, quantization=mc.quantization)
         self.proposer = make_proposer(self.config, self)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

@@ -96,6 +96,9 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (CPU); engine default if unset")
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--quantization", default=None, choices=["int8"],
+                   help="weight-only int8 linears (CPU); the floors still count float32 weight bytes")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
 
 
 def add_limits_args(p: argparse.ArgumentParser) -> None:
@@ -121,9 +124,11 @@ def engine_kwargs(args: argparse.Namespace, model: BenchModel, **overrides: Any)
     """Keyword arguments for ``LLM`` / ``EngineArgs`` from the common and engine flags."""
     kwargs: dict[str, Any] = dict(model=str(model.path), load_format=model.load_format, dtype=args.dtype,
                                   seed=args.seed, device=args.device, max_num_seqs=args.max_num_seqs)
-    for name in ("max_num_batched_tokens", "kv_cache_memory", "max_model_len"):
+    for name in ("max_num_batched_tokens", "kv_cache_memory", "max_model_len", "quantization"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
+    if getattr(args, "enforce_eager", False):
+        kwargs["enforce_eager"] = True
     kwargs.update(overrides)
     return kwargs
 

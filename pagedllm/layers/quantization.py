@@ -1,0 +1,107 @@
+"""Weight-only int8 quantization for CPU decode (``--quantization int8``).
+
+Batch-1 decode streams every weight once per step and the fp32 packed GEMM already runs at the
+memory bandwidth, so the only way to go faster is fewer bytes: int8 weights with one float32 scale
+per output channel (symmetric, W ~ Q * scale) are a quarter of the fp32 bytes. Activations stay
+float32; the kernel (``csrc/cpu_gemm_int8.cpp``) widens the weights to fp32 in registers.
+
+Measured on the SmolLM-135M-shaped dummy model (2-core Zen 4, one process, interleaved): a decode
+step at batch 1 takes 10.9 ms instead of 20.4 (1.9x), at 16 rows 1.1x, at 64 rows 1.03x; the
+30 layers' linears alone are ~2.9x faster at 1 row and level with fp32 at 256 rows. Widening the
+weights costs vector work, so once the GEMM is compute-bound (large batches, prefill) int8 buys
+memory, not speed. Weights: 334 MB instead of 652 (the linears 106 MB instead of 425).
+
+Only the transformer's linears are quantized: the LM head (113 MB here) stays float32. Quantizing
+it too (measured by patching it) made batch-1 steps another ~10% faster but moved logprobs more
+on the tiny test model (one more greedy divergence in 6 prompts x 16 tokens), so it is not done.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
+
+import torch
+
+from pagedllm.layers.cpu_gemm_kernels import PANEL
+from pagedllm.layers.cpu_kernels import build_cpu_library, kernels_enabled
+
+QUANTIZATION_METHODS = ("int8",)
+# Output rows per interleaved group of the packed layout (4 panels of 16).
+_GROUP = 4 * PANEL
+# Symmetric range: -127..127 (not -128) so that q and -q are both representable.
+_QMAX = 127
+
+PackedLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+@lru_cache(maxsize=1)
+def load_int8_gemm() -> PackedLinearInt8 | None:
+    """``packed_linear_int8(x, packed, scale, bias)`` built for this CPU, or None when the CPU
+    kernels are disabled (``PAGEDLLM_CPU_KERNELS=0``) or the build failed."""
+    if not kernels_enabled() or not build_cpu_library():
+        return None
+    return torch.ops.pagedllm_cpu_int8.packed_linear_int8.default
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] float -> (Q [out, in] int8, scale [out] float32) with W ~ Q * scale[:, None]:
+    scale = max|w| / 127 per output row, Q = round(W / scale) in [-127, 127]. The error of each
+    weight is at most scale / 2. An all-zero row gets scale 1 (Q = 0), not a division by zero."""
+    if w.dim() != 2 or not w.dtype.is_floating_point:
+        raise ValueError(f"int8 quantization takes a 2-D float weight, got {tuple(w.shape)} {w.dtype}")
+    w = w.float()
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / _QMAX, torch.ones_like(amax))
+    q = torch.round(w / scale[:, None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return q, scale.contiguous()
+
+
+def can_quantize(w: torch.Tensor) -> bool:
+    """Whether ``w`` [out, in] can use the int8 kernel: CPU float32, out % 16 == 0, kernel built."""
+    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
+            and w.layout == torch.strided and w.shape[0] % PANEL == 0 and load_int8_gemm() is not None)
+
+
+def quantize_and_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed int8 [out / 16, in, 16], scale [out]) for the kernel."""
+    q, scale = quantize_per_channel(w)
+    return pack_int8(q), scale
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """Q [N, K] -> the kernel's layout: groups of 64 rows (the last 16/32/48 when N % 64), each
+    transposed to [K, rows] so one k step is one 64-byte line, concatenated and shaped
+    [N / 16, K, 16] (``csrc/cpu_gemm_int8.cpp`` explains why)."""
+    n, k = q.shape
+    if n % PANEL:
+        raise ValueError(f"int8 packing needs out_features % {PANEL} == 0, got {n}")
+    full = n // _GROUP * _GROUP
+    body = q[:full].reshape(n // _GROUP, _GROUP, k).transpose(1, 2).reshape(-1)
+    tail = q[full:].t().reshape(-1)
+    return torch.cat([body, tail]).reshape(n // PANEL, k, PANEL)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int8`` (a new [N, K] tensor)."""
+    panels, k, _ = packed.shape
+    n = panels * PANEL
+    full = n // _GROUP * _GROUP
+    flat = packed.reshape(-1)
+    body = flat[:full * k].reshape(n // _GROUP, k, _GROUP).transpose(1, 2).reshape(full, k)
+    tail = flat[full * k:].reshape(k, n - full).t()
+    return torch.cat([body, tail])
+
+
+def packed_linear_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ (Q * scale)^T + b for a ``quantize_and_pack`` weight: [..., N]."""
+    kernel = load_int8_gemm()
+    assert kernel is not None, "int8 weights exist only when the kernel built"
+    return kernel(x, packed, scale, bias)
+
+
+def check_quantization(method: str | None) -> None:
+    """ValueError for an unknown method (None means no quantization)."""
+    if method is not None and method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {method!r}")
