@@ -11,14 +11,9 @@
 // packed_linear_portable (always the portable code, so its tests run on any machine).
 // Only light ATen headers (no torch/extension.h, no pybind): the first-use build takes seconds.
 #include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cstdint>
-#include <optional>
-#include <vector>
+#include "cpu_gemm_common.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -26,16 +21,7 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;  // outputs per panel: one AVX-512 vector of fp32
-constexpr int kGroup = 4;  // panels per tile: 64 outputs
-// The tallest tile: 6 rows x 4 panels = 24 accumulators; per k step 4 vector loads and 6
-// broadcasts feed 24 FMAs (enough to be compute-bound at prefill sizes).
-constexpr int64_t kMaxRows = 6;
-// Rows of x per block: the block (rows x K floats) stays in L2 while the thread's panels stream
-// past it; prefill batches are cut into such blocks, decode batches are one block.
-constexpr int64_t kXBlockBytes = 384 * 1024;
-// Least weight bytes worth waking a second thread for.
-constexpr int64_t kMinThreadBytes = 64 * 1024;
+using namespace pagedllm_gemm;
 
 struct Problem {
   const float* x;  // [M, K], row stride ldx
@@ -120,62 +106,28 @@ void row_tiles(const Problem& pr, int64_t m0, int64_t p0, int64_t p1) {
   for (; p < p1; ++p) tile<Simd, MR, 1>(pr, m0, p);
 }
 
-// A tile exactly as tall as the rows left (decode batches of 1-5 rows are one tile), so each
-// weight vector is loaded from memory once.
-template <bool Simd>
-void rows(const Problem& pr, int64_t m0, int64_t mr, int64_t p0, int64_t p1) {
-  switch (mr) {
-    case 1: return row_tiles<Simd, 1>(pr, m0, p0, p1);
-    case 2: return row_tiles<Simd, 2>(pr, m0, p0, p1);
-    case 3: return row_tiles<Simd, 3>(pr, m0, p0, p1);
-    case 4: return row_tiles<Simd, 4>(pr, m0, p0, p1);
-    case 5: return row_tiles<Simd, 5>(pr, m0, p0, p1);
-    default: return row_tiles<Simd, kMaxRows>(pr, m0, p0, p1);
-  }
-}
-
-// One thread's panels [p0, p1) for all M rows. Within an x block, a group of panels is the
-// outer loop: its weights come from memory once and from cache for every further row tile.
+// One thread's panels [p0, p1) for all M rows (see for_each_tile).
 template <bool Simd>
 void run_panels(const Problem& pr, int64_t m, int64_t p0, int64_t p1) {
-  const int64_t block = std::max(kMaxRows, kXBlockBytes / (pr.k * 4) / kMaxRows * kMaxRows);
-  for (int64_t mb = 0; mb < m; mb += block) {
-    const int64_t me = std::min(m, mb + block);
-    for (int64_t g = p0; g < p1; g += kGroup) {
-      const int64_t ge = std::min(p1, g + kGroup);
-      for (int64_t m0 = mb; m0 < me; m0 += kMaxRows) rows<Simd>(pr, m0, std::min(kMaxRows, me - m0), g, ge);
-    }
-  }
-}
-
-const float* checked_bias(const std::optional<at::Tensor>& bias, int64_t n) {
-  if (!bias.has_value() || !bias->defined()) return nullptr;
-  TORCH_CHECK(bias->is_contiguous() && bias->numel() == n && bias->scalar_type() == at::kFloat,
-              "bias must be a contiguous float32 tensor of ", n, " elements");
-  return bias->data_ptr<float>();
+  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge) {
+    dispatch_rows(mr, [&](auto rows) { row_tiles<Simd, decltype(rows)::value>(pr, m0, g, ge); });
+  });
 }
 
 // x: [..., K] fp32; packed: [N / 16, K, 16] fp32 (see the top); bias: [N] or None -> [..., N].
 template <bool Simd>
 at::Tensor run(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.dim() == 3 && packed.size(2) == kLanes && packed.is_contiguous(),
-              "packed weight must be a contiguous [N/16, K, 16] tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(packed.scalar_type() == at::kFloat, "packed weight must be float32");
   const int64_t k = packed.size(1), panels = packed.size(0), n = panels * kLanes;
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == k, "x has ", x.size(-1), " features, the weight ", k);
-  at::Tensor x2 = x.reshape({-1, k});
-  if (x2.stride(1) != 1) x2 = x2.contiguous();
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor y = at::empty(out_shape, x.options());
-  const int64_t m = x2.size(0);
-  if (m == 0) return y;
-  const Problem pr{x2.data_ptr<float>(), packed.data_ptr<float>(), checked_bias(bias, n),
-                   y.data_ptr<float>(), k, x2.stride(0), n};
+  const GemmIo io = gemm_io(x, packed, n);
+  const int64_t m = io.x2.size(0);
+  if (m == 0) return io.y;
+  const Problem pr{io.x2.data_ptr<float>(), packed.data_ptr<float>(), checked_vector(bias, n, "bias"),
+                   io.y.data_ptr<float>(), k, io.x2.stride(0), n};
   // Tiny weights (test models) stay on one thread: a parallel region costs more than they do.
   const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (k * kLanes * 4));
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) { run_panels<Simd>(pr, m, p0, p1); });
-  return y;
+  return io.y;
 }
 
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
