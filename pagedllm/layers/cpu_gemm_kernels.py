@@ -35,11 +35,16 @@ def load_cpu_gemm() -> PackedLinear | None:
     return torch.ops.pagedllm_cpu_gemm.packed_linear.default
 
 
-def can_pack(w: torch.Tensor) -> bool:
-    """Whether ``w`` [out, in] takes the packed layout: CPU float32 with out % 16 == 0 (so the
-    packed shape keeps ``out``), and the kernel built."""
+def packable(w: torch.Tensor) -> bool:
+    """Whether ``w`` [out, in] fits the packed panel layouts (fp32 and int8): a plain CPU float32
+    matrix with out % 16 == 0, so the packed shape keeps ``out``."""
     return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-            and w.layout == torch.strided and w.shape[0] % PANEL == 0 and load_cpu_gemm() is not None)
+            and w.layout == torch.strided and w.shape[0] % PANEL == 0)
+
+
+def can_pack(w: torch.Tensor) -> bool:
+    """Whether ``w`` takes the fp32 packed layout: ``packable`` and the kernel built."""
+    return packable(w) and load_cpu_gemm() is not None
 
 
 def pack_weight(w: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL
+from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import build_cpu_library, kernels_enabled
 
 QUANTIZATION_METHODS = ("int8",)
@@ -58,9 +58,8 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def can_quantize(w: torch.Tensor) -> bool:
-    """Whether ``w`` [out, in] can use the int8 kernel: CPU float32, out % 16 == 0, kernel built."""
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-            and w.layout == torch.strided and w.shape[0] % PANEL == 0 and load_int8_gemm() is not None)
+    """Whether ``w`` [out, in] can use the int8 kernel: ``packable`` and the kernel built."""
+    return packable(w) and load_int8_gemm() is not None
 
 
 def quantize_and_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
