@@ -20,6 +20,16 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(kernels.silu_and_mul(strided), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+def test_silu_and_mul_vector_exp_over_the_whole_range():
+    # 100 features: six 16-wide vectors and a scalar tail; gates from far negative to far
+    # positive, past where e^-g under- or overflows in float32.
+    gate = torch.linspace(-120, 120, 3 * 100).reshape(3, 100)
+    up = torch.randn(3, 100)
+    out = kernels.silu_and_mul(torch.cat([gate, up], dim=-1))
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
+
+
 def test_write_kv_cache_matches_index_copy():
     blocks, block_size, kv_heads, dim = 6, 4, 2, 8
     qkv = torch.randn(5, (4 + 2 * kv_heads) * dim)  # k and v are strided views, as in the models
