@@ -43,7 +43,7 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData]
     scheduled_cached_reqs: CachedRequestData
-    # req_id -> tokens to compute this step; iteration order is the batch order.
+    # req_id -> tokens to compute this step (the worker keeps its own row order: input_batch.py).
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     # Requests that finished or were aborted since the last step: workers drop their state.

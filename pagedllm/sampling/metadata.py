@@ -1,8 +1,9 @@
 """Per-step sampling metadata: everything the Sampler needs, as batch tensors.
 
-The model runner builds one ``SamplingMetadata`` per step for the rows it samples (one row
-per request that emits a token this step). ``from_params`` is a plain reference builder; a
-runner that keeps persistent per-slot tensors may fill the fields itself instead.
+The model runner builds one ``SamplingMetadata`` for the rows of its persistent input batch
+and reuses it for as long as those rows stay the same; a step that samples only some rows, or
+several rows per request (speculative decoding), takes ``select(rows)`` of it. The per-row
+output token lists are the runner's own live lists, so a reused metadata sees every new token.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class SamplingMetadata:
     max_num_logprobs: int | None  # None: no row wants logprobs; else max k over rows
     no_penalties: bool
     prompt_token_ids: torch.Tensor | None  # [N, max_prompt_len] int64, padded with vocab_size
-    output_token_ids: list[list[int]]  # per row, tokens generated before this step
+    output_token_ids: list[list[int]]  # per row, tokens generated before this step (the caller's lists)
     presence_penalties: torch.Tensor  # [N] float32
     frequency_penalties: torch.Tensor  # [N] float32
     repetition_penalties: torch.Tensor  # [N] float32
@@ -42,6 +43,13 @@ class SamplingMetadata:
     @property
     def num_rows(self) -> int:
         return len(self.output_token_ids)
+
+    @property
+    def has_logit_processing(self) -> bool:
+        """Whether any row's logits change before greedy argmax: an allowed-token mask, a bias,
+        pending min-tokens or a penalty."""
+        return (self.allowed_token_ids_mask is not None or any(b is not None for b in self.logit_bias)
+                or bool(self.min_tokens) or not self.no_penalties)
 
     @classmethod
     def from_params(
@@ -57,7 +65,8 @@ class SamplingMetadata:
         """Build metadata from one ``SamplingParams`` per row.
 
         ``generators`` maps row -> the request's own generator; it is passed in rather than
-        created here because it must persist across steps. ``eos_token_id`` is added to the
+        created here because it must persist across steps. ``output_token_ids`` are kept by
+        reference (not copied): a caller that appends to them updates the metadata too. ``eos_token_id`` is added to the
         min-tokens stop set unless the request sets ``ignore_eos``.
         """
         temps = [p.temperature for p in params]
@@ -74,13 +83,50 @@ class SamplingMetadata:
             max_num_logprobs=_max_logprobs(params),
             no_penalties=no_penalties,
             prompt_token_ids=None if no_penalties else pad_token_ids(prompt_token_ids, vocab_size, device),
-            output_token_ids=[list(t) for t in output_token_ids],
+            output_token_ids=list(output_token_ids),
             presence_penalties=_f32([p.presence_penalty for p in params], device),
             frequency_penalties=_f32([p.frequency_penalty for p in params], device),
             repetition_penalties=_f32([p.repetition_penalty for p in params], device),
             min_tokens=_min_tokens(params, eos_token_id),
             logit_bias=[p.logit_bias or None for p in params],
             allowed_token_ids_mask=_allowed_mask(params, vocab_size, device),
+        )
+
+    def select(self, rows: list[int]) -> "SamplingMetadata":
+        """The metadata of ``rows`` (indices into this one, repeats allowed), in that order."""
+        index = None
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            nonlocal index
+            if t is None:
+                return None
+            if index is None or index.device != t.device:
+                index = torch.tensor(rows, dtype=torch.int64, device=t.device)
+            return t.index_select(0, index)
+
+        temperature = pick(self.temperature)
+        all_greedy, all_random = self.all_greedy or not rows, self.all_random or not rows
+        if not (all_greedy or all_random):  # a mixed batch: the chosen rows may all be one kind
+            greedy = temperature < SAMPLING_EPS
+            all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+        return SamplingMetadata(
+            temperature=None if all_greedy else temperature,
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_p=pick(self.top_p),
+            top_k=pick(self.top_k),
+            min_p=pick(self.min_p),
+            generators={new: self.generators[old] for new, old in enumerate(rows) if old in self.generators},
+            max_num_logprobs=self.max_num_logprobs,
+            no_penalties=self.no_penalties,
+            prompt_token_ids=pick(self.prompt_token_ids),
+            output_token_ids=[self.output_token_ids[r] for r in rows],
+            presence_penalties=pick(self.presence_penalties),
+            frequency_penalties=pick(self.frequency_penalties),
+            repetition_penalties=pick(self.repetition_penalties),
+            min_tokens={new: self.min_tokens[old] for new, old in enumerate(rows) if old in self.min_tokens},
+            logit_bias=[self.logit_bias[r] for r in rows],
+            allowed_token_ids_mask=pick(self.allowed_token_ids_mask),
         )
 
 

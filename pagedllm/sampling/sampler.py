@@ -61,11 +61,16 @@ class Sampler(nn.Module):
     """Samples one token per row; stateless apart from the generators held in metadata."""
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        # Own float32 copy: the ops write in place and the raw logits feed the logprobs.
-        processed = logits.to(torch.float32, copy=True)
-        processed = self.apply_constraints(processed, metadata)
-        processed = self.apply_penalties(processed, metadata)
-        sampled = self.sample(processed, metadata)
+        if metadata.all_greedy and not metadata.has_logit_processing:
+            # Nothing to change in the logits: argmax them as they are (the float32 copy below
+            # is 25 MB at 128 rows x 49k vocabulary, a few ms per step on CPU).
+            sampled = logits.argmax(dim=-1)
+        else:
+            # Own float32 copy: the ops write in place and the raw logits feed the logprobs.
+            processed = logits.to(torch.float32, copy=True)
+            processed = self.apply_constraints(processed, metadata)
+            processed = self.apply_penalties(processed, metadata)
+            sampled = self.sample(processed, metadata)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             # vLLM's default "raw_logprobs": what the model said, before any processing.

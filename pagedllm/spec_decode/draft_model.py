@@ -19,7 +19,7 @@ from pagedllm.models.loader import load_model
 from pagedllm.sampling import ops
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.spec_decode.proposer import ProposeContext, Proposals, speculation_room
-from pagedllm.worker.input_batch import build_flat_batch
+from pagedllm.worker.flat_batch import build_flat_batch
 
 
 class DraftModelProposer:
@@ -64,11 +64,11 @@ class DraftModelProposer:
         runner, batch = ctx.runner, ctx.batch
         tokens, starts, tables = [], [], []
         for req_id, start, num_scheduled in zip(batch.req_ids, batch.starts, batch.num_scheduled):
-            state = runner.requests[req_id]
-            end = len(state.token_ids) if req_id in ctx.emitted else start + num_scheduled
-            tokens.append(state.token_ids[start:end])
+            row = runner.input_batch.tokens(req_id)
+            end = len(row) if req_id in ctx.emitted else start + num_scheduled
+            tokens.append(row[start:end].tolist())
             starts.append(start)
-            tables.append(state.block_ids)
+            tables.append(runner.requests[req_id].block_ids)
         hidden = self._forward(runner, tokens, starts, tables)
         ends = torch.tensor([len(t) for t in tokens]).cumsum(0).tolist()
         return hidden, {r: ends[i] - 1 for i, r in enumerate(batch.req_ids)}
@@ -76,8 +76,8 @@ class DraftModelProposer:
     def _feed_back(self, runner, active: list[str], proposals: Proposals, j: int) -> torch.Tensor:
         """One decode step of the draft on its own latest guess for each request still going."""
         states = [runner.requests[r] for r in active]
-        # The emitted token sits at len(token_ids) - 1; guess j + 1 goes right after guess j.
-        starts = [len(s.token_ids) + j for s in states]
+        # The emitted token sits at num_tokens - 1; guess j + 1 goes right after guess j.
+        starts = [s.num_tokens + j for s in states]
         tokens = [[proposals.token_ids[r][j]] for r in active]
         hidden = self._forward(runner, tokens, starts, [s.block_ids for s in states])
         return self.model.compute_logits(hidden)

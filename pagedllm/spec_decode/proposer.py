@@ -52,13 +52,13 @@ def speculation_room(state: CachedRequestState, k: int, max_model_len: int) -> i
     """
     params = state.sampling_params
     if (params.structured_outputs is not None or params.presence_penalty or params.frequency_penalty
-            or params.repetition_penalty != 1.0 or len(state.token_ids) - state.num_prompt_tokens < params.min_tokens):
+            or params.repetition_penalty != 1.0 or len(state.output_token_ids) < params.min_tokens):
         return 0
     # The step emits up to room + 1 tokens; a draft model then runs on the last of them, so its
     # position (len + room) must stay below max_model_len.
-    room = min(k, max_model_len - len(state.token_ids) - 1)
+    room = min(k, max_model_len - state.num_tokens - 1)
     if params.max_tokens is not None:
-        room = min(room, params.max_tokens - (len(state.token_ids) - state.num_prompt_tokens) - 1)
+        room = min(room, params.max_tokens - len(state.output_token_ids) - 1)
     return max(room, 0)
 
 
@@ -76,7 +76,7 @@ class NgramSpecProposer:
         for req_id in ctx.emitted:
             state = ctx.runner.requests[req_id]
             room = speculation_room(state, self.k, self.max_model_len)
-            tokens = self.ngram.propose(state.token_ids, room) if room else []
+            tokens = self.ngram.propose(ctx.runner.input_batch.tokens(req_id), room) if room else []
             if tokens:
                 proposals.token_ids[req_id] = list(tokens)
         return proposals

@@ -1,8 +1,15 @@
-"""The worker's copy of request state, and turning a SchedulerOutput into flat batch tensors."""
+"""The worker's request state and the persistent input batch the step's tensors come from.
+
+``CachedRequestState`` is what the worker remembers about every live request. ``InputBatch``
+holds the requests scheduled in the current step as dense rows of numpy buffers (token ids,
+computed counts, block tables) that persist across steps and change only by the scheduler's
+diffs, so building a step is a few numpy gathers over those buffers, not per-request Python
+list work; per-row caches (the runner's sampling metadata) are reused while the rows stay
+the same (``InputBatch.version``).
+"""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,6 +18,7 @@ import torch
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 from pagedllm.sampling_params import SamplingParams
+from pagedllm.worker.flat_batch import batch_tensors, index_arrays
 from pagedllm.worker.staging import HostStager
 
 
@@ -19,21 +27,22 @@ class CachedRequestState:
     """What the worker remembers about a request between steps."""
 
     req_id: str
-    token_ids: list[int]  # prompt + output so far
-    num_prompt_tokens: int
+    prompt_token_ids: list[int]
     sampling_params: SamplingParams
     generator: torch.Generator | None
     block_ids: list[int]
     num_computed_tokens: int
+    # Appended in place as tokens are sampled: the sampling metadata holds this very list.
+    output_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs_done: int = 0  # prompt positions already reported (a resumed request recomputes)
 
     @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
 
     @property
-    def prompt_token_ids(self) -> list[int]:
-        return self.token_ids[:self.num_prompt_tokens]
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
 @dataclass
@@ -50,6 +59,8 @@ class BatchInputs:
     num_scheduled: list[int]
     num_draft_tokens: list[int] = field(default_factory=list)  # per sampled request: proposals verified
     draft_token_ids: list[int] = field(default_factory=list)  # all sampled requests' proposals, flat
+    # Per logits row: its request's batch row (the request repeated over its proposals' rows).
+    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def has_drafts(self) -> bool:
@@ -63,7 +74,7 @@ def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
         states.pop(req_id, None)
     for new in sched.scheduled_new_reqs:
         states[new.req_id] = CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), len(new.prompt_token_ids), new.sampling_params,
+            new.req_id, list(new.prompt_token_ids), new.sampling_params,
             make_generator(new.sampling_params.seed), list(new.block_ids), new.num_computed_tokens)
     cached = sched.scheduled_cached_reqs
     for req_id, resumed, block_ids, computed in zip(cached.req_ids, cached.resumed_from_preemption,
@@ -73,79 +84,151 @@ def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
         state.num_computed_tokens = computed
 
 
-def prepare_inputs(states: dict[str, CachedRequestState], sched: SchedulerOutput, block_size: int,
-                   device: torch.device, stager: HostStager | None = None) -> BatchInputs:
-    """Build token ids, positions, slot mapping and block tables with vectorised index math, and
-    move them (with the sampled rows) to the device in one go (``stager``; default: a fresh one).
+class InputBatch:
+    """The requests of the current step as dense rows of persistent numpy buffers.
 
-    A request with proposals (speculative decoding) runs its real tokens then its proposals;
-    it samples at its last real token and at every proposal, and the verifier keeps a prefix.
+    A row holds its request's tokens (prompt + output; during a step, proposals under
+    verification sit past the end), computed count and block table. A request that is not
+    scheduled in a step (finished, preempted, or its turn went to others) leaves the rows and
+    comes back from its ``CachedRequestState`` when it is scheduled again. Removing a row moves
+    the last row into the hole, so rows stay dense and the others keep their place; ``version``
+    changes with every change of membership or order. Buffers grow (doubling) as needed.
     """
-    req_ids = list(sched.num_scheduled_tokens)
-    reqs = [states[r] for r in req_ids]
-    num_scheduled = [sched.num_scheduled_tokens[r] for r in req_ids]
-    drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in req_ids]
-    starts = [s.num_computed_tokens for s in reqs]
-    tokens = [s.token_ids[a:a + n - len(d)] + d for s, a, n, d in zip(reqs, starts, num_scheduled, drafts)]
-    arrays = flat_batch_arrays(tokens, starts, [s.block_ids for s in reqs], block_size)
-    cu = arrays["query_start_loc"].tolist()
-    sample_rows = [i for i, (s, a, n, d) in enumerate(zip(reqs, starts, num_scheduled, drafts))
-                   if a + n - len(d) == len(s.token_ids)]
-    logits_indices = [row for i in sample_rows for row in range(cu[i + 1] - 1 - len(drafts[i]), cu[i + 1])]
-    arrays["logits_indices"] = np.asarray(logits_indices, dtype=np.int64)
-    staged = (stager or HostStager(device)).stage(arrays)
-    input_ids, positions, attn = _batch_tensors(arrays, staged, block_size)
-    return BatchInputs(
-        req_ids=req_ids, input_ids=input_ids, positions=positions, attn=attn,
-        logits_indices=staged["logits_indices"],
-        sample_req_ids=[req_ids[i] for i in sample_rows], starts=starts, num_scheduled=num_scheduled,
-        num_draft_tokens=[len(drafts[i]) for i in sample_rows],
-        draft_token_ids=[t for i in sample_rows for t in drafts[i]])
+
+    def __init__(self) -> None:
+        self.req_ids: list[str] = []
+        self.states: list[CachedRequestState] = []
+        self.row_of: dict[str, int] = {}
+        self.token_ids = np.zeros((8, 256), dtype=np.int64)
+        self.num_tokens = np.zeros(8, dtype=np.int64)
+        self.num_computed = np.zeros(8, dtype=np.int64)
+        self.block_table = np.zeros((8, 16), dtype=np.int64)
+        self.num_blocks = np.zeros(8, dtype=np.int64)
+        self.version = 0
+
+    def __len__(self) -> int:
+        return len(self.req_ids)
+
+    def tokens(self, req_id: str) -> np.ndarray:
+        """The request's prompt + output so far (a view: valid until the batch next changes)."""
+        row = self.row_of[req_id]
+        return self.token_ids[row, :self.num_tokens[row]]
+
+    # ------------------------------------------------------------------ diffs
+    def sync(self, states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
+        """Make the rows the requests ``sched`` schedules, with ``states`` already updated."""
+        scheduled = sched.num_scheduled_tokens
+        for req_id in [r for r in self.req_ids if r not in scheduled]:
+            self._remove(req_id)
+        cached = sched.scheduled_cached_reqs
+        for req_id, resumed, new_blocks in zip(cached.req_ids, cached.resumed_from_preemption,
+                                               cached.new_block_ids):
+            row = self.row_of.get(req_id)
+            if row is not None and (resumed or new_blocks):
+                self._set_blocks(row, states[req_id].block_ids)
+        for req_id in scheduled:
+            if req_id not in self.row_of:
+                self._add(states[req_id])
+        n = len(self.states)
+        self.num_computed[:n] = np.fromiter((s.num_computed_tokens for s in self.states), dtype=np.int64, count=n)
+
+    def append_tokens(self, req_id: str, tokens: list[int]) -> None:
+        """Record sampled tokens (the caller extends the state's ``output_token_ids``)."""
+        row = self.row_of[req_id]
+        end = self.num_tokens[row] + len(tokens)
+        self._fit(row + 1, end)
+        self.token_ids[row, self.num_tokens[row]:end] = tokens
+        self.num_tokens[row] = end
+
+    def _add(self, state: CachedRequestState) -> None:
+        row = len(self.req_ids)
+        self._fit(row + 1, state.num_tokens)
+        self.req_ids.append(state.req_id)
+        self.states.append(state)
+        self.row_of[state.req_id] = row
+        prompt = state.num_prompt_tokens
+        self.token_ids[row, :prompt] = state.prompt_token_ids
+        self.token_ids[row, prompt:state.num_tokens] = state.output_token_ids
+        self.num_tokens[row] = state.num_tokens
+        self._set_blocks(row, state.block_ids)
+        self.version += 1
+
+    def _remove(self, req_id: str) -> None:
+        row, last = self.row_of.pop(req_id), len(self.req_ids) - 1
+        if row != last:  # the last row fills the hole
+            moved = self.req_ids[last]
+            self.req_ids[row], self.states[row] = moved, self.states[last]
+            self.row_of[moved] = row
+            width = self.num_tokens[last]
+            self.token_ids[row, :width] = self.token_ids[last, :width]
+            self.block_table[row] = self.block_table[last]
+            for column in (self.num_tokens, self.num_computed, self.num_blocks):
+                column[row] = column[last]
+        self.req_ids.pop()
+        self.states.pop()
+        self.version += 1
+
+    def _set_blocks(self, row: int, block_ids: list[int]) -> None:
+        if len(block_ids) > self.block_table.shape[1]:
+            self.block_table = _grown(self.block_table, self.block_table.shape[0], len(block_ids))
+        self.block_table[row, :len(block_ids)] = block_ids
+        self.block_table[row, len(block_ids):] = 0  # the null block pads, as in a fresh table
+        self.num_blocks[row] = len(block_ids)
+
+    def _fit(self, rows: int, width: int) -> None:
+        """Grow the buffers to at least ``rows`` rows and ``width`` tokens per row."""
+        if rows > self.token_ids.shape[0] or width > self.token_ids.shape[1]:
+            self.token_ids = _grown(self.token_ids, rows, width)
+        if rows > self.num_tokens.shape[0]:
+            self.block_table = _grown(self.block_table, rows, self.block_table.shape[1])
+            self.num_tokens, self.num_computed, self.num_blocks = (
+                _grown(a[None], 1, rows)[0] for a in (self.num_tokens, self.num_computed, self.num_blocks))
+
+    # ------------------------------------------------------------------ one step
+    def prepare(self, sched: SchedulerOutput, block_size: int, stager: HostStager) -> BatchInputs:
+        """The step's flat tensors: token ids, positions, slot mapping and block tables gathered
+        from the buffers, moved (with the sampled rows) to the device in one go.
+
+        A request with proposals (speculative decoding) runs its real tokens then its proposals;
+        it samples at its last real token and at every proposal, and the verifier keeps a prefix.
+        """
+        n = len(self.req_ids)
+        counts = np.fromiter((sched.num_scheduled_tokens[r] for r in self.req_ids), dtype=np.int64, count=n)
+        num_drafts = np.zeros(n, dtype=np.int64)
+        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
+            if drafts:  # written past the request's tokens, where this step's KV goes
+                row = self.row_of[req_id]
+                end = self.num_tokens[row] + len(drafts)
+                self._fit(n, end)
+                self.token_ids[row, self.num_tokens[row]:end] = drafts
+                num_drafts[row] = len(drafts)
+        starts = self.num_computed[:n].copy()
+        table = self.block_table[:n, :max(1, int(self.num_blocks[:n].max()))]
+        arrays, req_of_token = index_arrays(counts, starts, table, block_size)
+        arrays["input_ids"] = self.token_ids[req_of_token, arrays["positions"]]
+        # Rows that reach the end of their tokens sample: the last real token's row + each proposal's.
+        sample = np.flatnonzero(starts + counts - num_drafts == self.num_tokens[:n])
+        rows_per_sample = num_drafts[sample] + 1
+        sample_rows = np.repeat(sample, rows_per_sample)
+        first_row = np.repeat(arrays["query_start_loc"][sample + 1] - rows_per_sample, rows_per_sample)
+        arrays["logits_indices"] = first_row + np.arange(len(sample_rows)) - np.repeat(
+            np.cumsum(rows_per_sample) - rows_per_sample, rows_per_sample)
+        staged = stager.stage(arrays)
+        input_ids, positions, attn = batch_tensors(arrays, staged, block_size)
+        sample_list = sample.tolist()
+        return BatchInputs(
+            req_ids=list(self.req_ids), input_ids=input_ids, positions=positions, attn=attn,
+            logits_indices=staged["logits_indices"], sample_req_ids=[self.req_ids[i] for i in sample_list],
+            starts=starts.tolist(), num_scheduled=counts.tolist(),
+            num_draft_tokens=num_drafts[sample].tolist(),
+            draft_token_ids=[t for i in sample_list for t in sched.scheduled_spec_decode_tokens.get(self.req_ids[i], ())],
+            sample_rows=sample_rows)
 
 
-def build_flat_batch(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]], block_size: int,
-                     device: torch.device, stager: HostStager | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
-    """(input_ids, positions, attention metadata) for requests that each run ``tokens[i]`` from
-    position ``starts[i]`` on, writing KV through their block tables. Shared by the target's
-    step and a draft model's proposal forwards."""
-    arrays = flat_batch_arrays(tokens, starts, block_ids, block_size)
-    return _batch_tensors(arrays, (stager or HostStager(device)).stage(arrays), block_size)
-
-
-def flat_batch_arrays(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]],
-                      block_size: int) -> dict[str, np.ndarray]:
-    """The host (numpy) side of :func:`build_flat_batch`: every per-step index array, int64."""
-    counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
-    cu = np.concatenate(([0], np.cumsum(counts)))
-    req_of_token = np.repeat(np.arange(len(tokens)), counts)
-    positions = np.asarray(starts, dtype=np.int64)[req_of_token] + np.arange(cu[-1]) - cu[:-1][req_of_token]
-    table = _block_table(block_ids)
-    return {
-        "input_ids": np.fromiter(itertools.chain.from_iterable(tokens), dtype=np.int64, count=int(cu[-1])),
-        "positions": positions,
-        "query_start_loc": cu,
-        "seq_lens": np.asarray(starts, dtype=np.int64) + counts,
-        "block_table": table,
-        "slot_mapping": table[req_of_token, positions // block_size] * block_size + positions % block_size,
-    }
-
-
-def _batch_tensors(arrays: dict[str, np.ndarray], staged: dict[str, torch.Tensor], block_size: int,
-                   ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
-    """(input_ids, positions, metadata) from the staged tensors; the Python-int fields from the host arrays."""
-    cu, seq_lens = arrays["query_start_loc"], arrays["seq_lens"]
-    attn = CommonAttentionMetadata(
-        query_start_loc=staged["query_start_loc"], query_start_loc_cpu=cu.tolist(),
-        seq_lens=staged["seq_lens"], seq_lens_cpu=seq_lens.tolist(),
-        block_table=staged["block_table"], slot_mapping=staged["slot_mapping"],
-        block_size=block_size, max_query_len=int(np.diff(cu).max()), max_seq_len=int(seq_lens.max()))
-    return staged["input_ids"], staged["positions"], attn
-
-
-def _block_table(block_ids: list[list[int]]) -> np.ndarray:
-    width = max(len(ids) for ids in block_ids)
-    table = np.zeros((len(block_ids), width), dtype=np.int64)  # 0 = the null block
-    for i, ids in enumerate(block_ids):
-        table[i, :len(ids)] = ids
-    return table
+def _grown(a: np.ndarray, rows: int, width: int) -> np.ndarray:
+    """``a`` copied into a zeroed array at least [rows, width], each side doubled when it grows."""
+    new_rows = a.shape[0] if rows <= a.shape[0] else max(rows, 2 * a.shape[0])
+    new_width = a.shape[1] if width <= a.shape[1] else max(width, 2 * a.shape[1])
+    out = np.zeros((new_rows, new_width), dtype=a.dtype)
+    out[:a.shape[0], :a.shape[1]] = a
+    return out

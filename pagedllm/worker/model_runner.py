@@ -19,7 +19,7 @@ from pagedllm.sampling.spec_sampler import DraftBatch, sample_with_drafts
 from pagedllm.spec_decode.proposer import ProposeContext, make_proposer
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graphs_enabled
-from pagedllm.worker.input_batch import BatchInputs, CachedRequestState, prepare_inputs, update_states
+from pagedllm.worker.input_batch import BatchInputs, CachedRequestState, InputBatch, update_states
 from pagedllm.worker.staging import HostStager
 
 logger = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ class ModelRunner:
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.arch.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
+        self.input_batch = InputBatch()  # the step's requests as persistent rows
+        self._sampling: tuple[int, SamplingMetadata] | None = None  # (input_batch.version, its metadata)
         self.sampler = Sampler()
         self.attn_backend = get_attn_backend(device.type, config.attention_backend)
         self.model: torch.nn.Module | None = None
@@ -90,7 +92,8 @@ class ModelRunner:
             self.draft_probs.pop(req_id, None)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        batch = prepare_inputs(self.requests, sched, self.block_size, self.device, self.stager)
+        self.input_batch.sync(self.requests, sched)
+        batch = self.input_batch.prepare(sched, self.block_size, self.stager)
         hidden = self._forward(batch)
         output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids})
         self._compute_prompt_logprobs(batch, hidden, output)
@@ -112,21 +115,35 @@ class ModelRunner:
         row_req_ids = [r for r, k in zip(batch.sample_req_ids, self._rows_per_request(batch)) for _ in range(k)]
         apply_grammar_bitmask(logits, grammar_bitmask, row_req_ids)  # constrained rows only (never speculated)
         states = [self.requests[r] for r in batch.sample_req_ids]
-        row_states = [self.requests[r] for r in row_req_ids]
-        metadata = SamplingMetadata.from_params(
-            [s.sampling_params for s in row_states], [s.prompt_token_ids for s in row_states],
-            [s.output_token_ids for s in row_states], self.vocab_size, self.device,
-            {i: s.generator for i, s in enumerate(row_states) if s.generator is not None})
+        metadata = self._sampling_metadata(batch)
         if batch.has_drafts:
             emitted, logprobs = sample_with_drafts(self.sampler, logits, metadata, self._draft_batch(batch, states))
         else:
             result = self.sampler(logits, metadata)
             emitted, logprobs = [[t] for t in result.sampled_token_ids.tolist()], result.logprobs_tensors
         for state, tokens in zip(states, emitted):
-            state.token_ids.extend(tokens)
+            state.output_token_ids.extend(tokens)
+            self.input_batch.append_tokens(state.req_id, tokens)
             output.sampled_token_ids[state.req_id] = tokens
         if logprobs is not None:
             _split_logprobs(logprobs, states, emitted, self._rows_per_request(batch), output.logprobs)
+
+    def _sampling_metadata(self, batch: BatchInputs) -> SamplingMetadata:
+        """The metadata of the step's logits rows: the batch's own, built when its rows change
+        and reused while they stay the same; ``select`` of it when only some rows sample or a
+        request has several rows (proposals)."""
+        rows = self.input_batch
+        if self._sampling is None or self._sampling[0] != rows.version:
+            states = rows.states
+            self._sampling = (rows.version, SamplingMetadata.from_params(
+                [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+                [s.output_token_ids for s in states], self.vocab_size, self.device,
+                {i: s.generator for i, s in enumerate(states) if s.generator is not None}))
+        metadata = self._sampling[1]
+        sample_rows = batch.sample_rows
+        if len(sample_rows) == len(rows) and not batch.has_drafts:
+            return metadata  # every row samples once, in row order
+        return metadata.select(sample_rows.tolist())
 
     @staticmethod
     def _rows_per_request(batch: BatchInputs) -> list[int]:
@@ -169,7 +186,7 @@ class ModelRunner:
             end = min(start + count, state.num_prompt_tokens - 1)  # last prompt token predicts nothing
             if k is not None and end > first:
                 rows = hidden[offset + first - start:offset + end - start]
-                targets = torch.tensor(state.token_ids[first + 1:end + 1], device=self.device)
+                targets = torch.tensor(state.prompt_token_ids[first + 1:end + 1], device=self.device)
                 lp = compute_logprobs_topk(self.model.compute_logits(rows), k, targets)
                 output.prompt_logprobs[req_id] = LogprobsLists(*lp.tolists())
                 state.prompt_logprobs_done = end

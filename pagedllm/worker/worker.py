@@ -22,7 +22,7 @@ from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.sampler import compute_logprobs_topk
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import graphs_enabled
-from pagedllm.worker.input_batch import build_flat_batch
+from pagedllm.worker.flat_batch import build_flat_batch
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

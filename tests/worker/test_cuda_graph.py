@@ -16,7 +16,8 @@ import torch
 
 from pagedllm.worker.cuda_graph import (CudaGraphRunner, EagerGraph, StaticInputs, capture_sizes, graphs_enabled,
                                         padded_size)
-from pagedllm.worker.input_batch import BatchInputs, build_flat_batch
+from pagedllm.worker.flat_batch import build_flat_batch
+from pagedllm.worker.input_batch import BatchInputs
 
 CUDA = torch.cuda.is_available()
 BLOCK = 16

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from pagedllm.worker.input_batch import build_flat_batch, flat_batch_arrays
+from pagedllm.worker.flat_batch import build_flat_batch, flat_batch_arrays
 from pagedllm.worker.staging import HostStager
 
 CUDA = torch.cuda.is_available()
