@@ -156,13 +156,17 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
-    def create_engine_config(self) -> EngineConfig:
+    def create_engine_config(self, usage_context: str = "llm") -> EngineConfig:
+        """The checked configuration. ``usage_context`` ("llm": offline batches, "serve": the
+        OpenAI server) picks defaults that depend on the workload (the step token budget)."""
+        if usage_context not in _USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {sorted(_USAGE_CONTEXTS)}, got {usage_context!r}")
         model_dir = self._resolve_model_dir()
         arch = normalize_hf_config(load_hf_config(model_dir))
         _check_architecture(arch)
         device = _resolve_device(self.device)
         model_config = self._model_config(model_dir, arch, device)
-        scheduler_config = self._scheduler_config(model_config.max_model_len)
+        scheduler_config = self._scheduler_config(model_config.max_model_len, device, usage_context)
         config = EngineConfig(model_config, self._cache_config(), scheduler_config,
                               self._parallel_config(), device, self.attention_backend,
                               self._structured_outputs_config(),
@@ -206,12 +210,12 @@ class EngineArgs:
         return CacheConfig(self.block_size, memory, self.gpu_memory_utilization, self.enable_prefix_caching,
                            self.num_gpu_blocks_override)
 
-    def _scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+    def _scheduler_config(self, max_model_len: int, device: str, usage_context: str) -> SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _choice("scheduling_policy", self.scheduling_policy, _POLICIES)
         batched = self.max_num_batched_tokens
-        if batched is None:
-            batched = 2048  # chunked prefill is always on: long prompts are split across steps
+        if batched is None:  # chunked prefill is always on: long prompts are split across steps
+            batched = default_max_num_batched_tokens(device, usage_context)
         _positive("max_num_batched_tokens", batched)
         threshold = self.long_prefill_token_threshold
         if not isinstance(threshold, int) or threshold < 0:
@@ -254,6 +258,21 @@ def _check_architecture(arch: ModelArchConfig) -> None:
     supported = supported_architectures()
     if arch.architecture not in supported:
         raise ValueError(f"architecture {arch.architecture!r} is not supported; supported: {', '.join(supported)}")
+
+
+_USAGE_CONTEXTS = {"llm", "serve"}
+# A CPU server's step budget. On a CPU a step carrying a 2,048-token prefill chunk takes seconds
+# and stalls every running stream for that long; with 256 tokens a chunk costs about as much as
+# a decode step of the whole batch, so inter-token latency stays even while long prompts arrive
+# (docs/benchmarks.md, "Online serving"). Offline batches keep 2,048: only throughput counts.
+CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 256
+
+
+def default_max_num_batched_tokens(device: str, usage_context: str) -> int:
+    """The step token budget when ``max_num_batched_tokens`` is not given."""
+    if device == "cpu" and usage_context == "serve":
+        return CPU_SERVING_MAX_NUM_BATCHED_TOKENS
+    return 2048
 
 
 def _resolve_device(device: str) -> str:

@@ -26,7 +26,7 @@ def run_server(args: argparse.Namespace) -> int:
         sock = _bind_socket(args.host, args.port)
         from pagedllm.entrypoints.cli_args import engine_args_from_namespace
 
-        config = engine_args_from_namespace(args).create_engine_config()
+        config = engine_args_from_namespace(args).create_engine_config(usage_context="serve")
     except (ValueError, OSError) as exc:
         _startup_error(exc)
         return 2
