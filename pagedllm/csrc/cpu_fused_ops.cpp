@@ -10,9 +10,7 @@
 #include <cmath>
 #include <cstring>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
@@ -31,23 +29,6 @@ void rotate_heads(float* x, int64_t heads, int64_t head_dim, int64_t half, const
     }
   }
 }
-
-#if defined(__AVX512F__)
-// e^x for 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
-// (truncation below 1e-8 relative), then scaled by 2^n. Inputs are clamped to the range where
-// e^x is a normal float, so huge |x| gives 0 or FLT_MAX-scale values instead of NaN.
-inline __m512 exp_avx512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
-  const float coef[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
-  for (float c : coef) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
-}
-#endif
 
 }  // namespace
 
@@ -78,9 +59,9 @@ void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key,
   });
 }
 
-// x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. std::exp does not vectorise (without
-// -ffast-math), so the AVX-512 build computes exp with its own polynomial (relative error a few
-// ulp, far below the fp32 matmuls around it); the scalar loop serves other CPUs and the tail.
+// x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. The AVX-512 build computes exp with
+// its own polynomial (cpu_vec.h; relative error a few ulp, far below the fp32 matmuls around
+// it); the scalar loop serves other CPUs and the tail.
 at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(1) == 1, "float32 rows only");
   const int64_t tokens = x.size(0), inter = x.size(1) / 2, stride = x.stride(0);
@@ -97,7 +78,7 @@ at::Tensor silu_and_mul(at::Tensor x) {
 #if defined(__AVX512F__)
       for (; i + 16 <= inter; i += 16) {
         const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 e = pagedllm_vec::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
         const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
         _mm512_storeu_ps(dst + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
       }
