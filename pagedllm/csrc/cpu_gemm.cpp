@@ -56,9 +56,11 @@ inline void tile_portable(const Problem& pr, int64_t m0, int64_t p0) {
 constexpr bool kHaveAvx512 = true;
 
 // AVX-512 tile: the MR * NR accumulators live in registers; each k step loads NR weight vectors
-// once and reuses them for all MR rows.
-template <int MR, int NR>
-inline void tile_avx512(const Problem& pr, int64_t m0, int64_t p0) {
+// once and reuses them for all MR rows. With Prefetch, each k step also prefetches its line of the
+// panels at pf and pf2 into L2 (see for_each_tile; pf2 == pf for one panel): a k step's MR * NR
+// FMAs leave the load ports room for it.
+template <int MR, int NR, bool Prefetch>
+inline void tile_avx512(const Problem& pr, int64_t m0, int64_t p0, const float* pf, const float* pf2) {
   const int64_t panel = pr.k * kLanes;
   const float* w = pr.p + p0 * panel;
   const float* x = pr.x + m0 * pr.ldx;
@@ -68,6 +70,10 @@ inline void tile_avx512(const Problem& pr, int64_t m0, int64_t p0) {
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) acc[i][j] = _mm512_setzero_ps();
   for (int64_t k = 0; k < pr.k; ++k) {
+    if constexpr (Prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(pf + k * kLanes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(pf2 + k * kLanes), _MM_HINT_T1);
+    }
     __m512 wv[NR];
 #pragma GCC unroll 8
     for (int j = 0; j < NR; ++j) wv[j] = _mm512_loadu_ps(w + j * panel + k * kLanes);
@@ -90,27 +96,36 @@ inline void tile_avx512(const Problem& pr, int64_t m0, int64_t p0) {
 constexpr bool kHaveAvx512 = false;
 #endif
 
+// MR rows at m0 times the NR panels from p0, prefetching the panels [f0, f1) (0-2).
 template <bool Simd, int MR, int NR>
-inline void tile(const Problem& pr, int64_t m0, int64_t p0) {
+inline void tile(const Problem& pr, int64_t m0, int64_t p0, int64_t f0, int64_t f1) {
 #if defined(__AVX512F__)
-  if constexpr (Simd) return tile_avx512<MR, NR>(pr, m0, p0);
+  if constexpr (Simd) {
+    const float* pf = pr.p + f0 * pr.k * kLanes;
+    if (f1 == f0) return tile_avx512<MR, NR, false>(pr, m0, p0, pf, pf);
+    return tile_avx512<MR, NR, true>(pr, m0, p0, pf, pf + (f1 - f0 - 1) * pr.k * kLanes);
+  }
 #endif
   tile_portable<MR, NR>(pr, m0, p0);
 }
 
-// Panels [p0, p1) for MR rows at m0: groups of 4 panels, then the 1-3 left over.
+// The group of panels [g, ge) (1-4 panels) for MR rows at m0, in one tile: a thread's last 1-3
+// panels in a narrower tile, which still loads each weight vector once for all MR rows.
 template <bool Simd, int MR>
-void row_tiles(const Problem& pr, int64_t m0, int64_t p0, int64_t p1) {
-  int64_t p = p0;
-  for (; p + kGroup <= p1; p += kGroup) tile<Simd, MR, kGroup>(pr, m0, p);
-  for (; p < p1; ++p) tile<Simd, MR, 1>(pr, m0, p);
+void row_tiles(const Problem& pr, int64_t m0, int64_t g, int64_t ge, int64_t f0, int64_t f1) {
+  switch (ge - g) {
+    case 1: return tile<Simd, MR, 1>(pr, m0, g, f0, f1);
+    case 2: return tile<Simd, MR, 2>(pr, m0, g, f0, f1);
+    case 3: return tile<Simd, MR, 3>(pr, m0, g, f0, f1);
+    default: return tile<Simd, MR, kGroup>(pr, m0, g, f0, f1);
+  }
 }
 
 // One thread's panels [p0, p1) for all M rows (see for_each_tile).
 template <bool Simd>
 void run_panels(const Problem& pr, int64_t m, int64_t p0, int64_t p1) {
-  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge) {
-    dispatch_rows(mr, [&](auto rows) { row_tiles<Simd, decltype(rows)::value>(pr, m0, g, ge); });
+  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge, int64_t f0, int64_t f1) {
+    dispatch_rows(mr, [&](auto rows) { row_tiles<Simd, decltype(rows)::value>(pr, m0, g, ge, f0, f1); });
   });
 }
 

@@ -39,17 +39,27 @@ void dispatch_rows(int64_t mr, F&& tile_rows) {
   }
 }
 
-// One thread's panels [p0, p1) for all m rows: rows(m0, mr, g, ge) per row tile and panel group.
-// Within an x block, a group of panels is the outer loop: its weights come from memory once and
-// from cache for every further row tile.
+// One thread's panels [p0, p1) for all m rows: rows(m0, mr, g, ge, f0, f1) per row tile and panel
+// group. Within an x block, a group of panels is the outer loop: its weights come from memory once
+// and from cache for every further row tile. So that the memory does not idle while those tiles
+// run from cache (and the next group's first tile does not wait on it), the row tiles share out
+// the next group's panels to prefetch as they go: [f0, f1), at most 2 panels (a block has at
+// least 2 row tiles when it prefetches), empty for the rest. Not in a block of one row tile: 1-6
+// rows stream each weight once, at the memory's pace already.
 template <class F>
 void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
   const int64_t block = std::max(kMaxRows, kXBlockBytes / (k * 4) / kMaxRows * kMaxRows);
   for (int64_t mb = 0; mb < m; mb += block) {
-    const int64_t me = std::min(m, mb + block);
+    const int64_t me = std::min(m, mb + block), tiles = (me - mb + kMaxRows - 1) / kMaxRows;
     for (int64_t g = p0; g < p1; g += kGroup) {
       const int64_t ge = std::min(p1, g + kGroup);
-      for (int64_t m0 = mb; m0 < me; m0 += kMaxRows) rows(m0, std::min(kMaxRows, me - m0), g, ge);
+      // The next group: in this block, else the first of the next block (none after the last).
+      const int64_t next = tiles == 1 ? p1 : ge < p1 ? ge : me < m ? p0 : p1;
+      const int64_t next_end = std::min(p1, next + kGroup), share = (next_end - next + tiles - 1) / tiles;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t m0 = mb + t * kMaxRows, f0 = std::min(next_end, next + t * share);
+        rows(m0, std::min(kMaxRows, me - m0), g, ge, f0, std::min(next_end, f0 + share));
+      }
     }
   }
 }

@@ -122,10 +122,11 @@ void row_tiles(const Problem& pr, int64_t m0, int64_t g, int64_t ge) {
 }
 
 // One thread's panels [p0, p1) for all M rows (see for_each_tile); a tile exactly as tall as
-// the rows left, so each weight vector is read (and widened) once.
+// the rows left, so each weight vector is read (and widened) once. The next group's panels that
+// for_each_tile offers to prefetch go unused: not measured for this layout.
 template <bool Simd>
 void run_panels(const Problem& pr, int64_t m, int64_t p0, int64_t p1) {
-  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge) {
+  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge, int64_t, int64_t) {
     dispatch_rows(mr, [&](auto rows) { row_tiles<Simd, decltype(rows)::value>(pr, m0, g, ge); });
   });
 }

@@ -58,6 +58,15 @@ def test_smollm_shapes_across_threads(native):
             _check(native, rows, n, k, with_bias=False)
 
 
+@pytest.mark.parametrize("panels", [10, 12, 14])
+@pytest.mark.parametrize("rows", [7, 13, 19, 64])
+def test_thread_splits_and_prefetch(native, rows, panels):
+    # K=1024: a panel is 64 KB, so every panel may go to its own thread; split over 2 threads, each
+    # thread's last tile is 1, 2 or 3 panels wide. 2, 3, 4 and 11 row tiles share out the next
+    # group's prefetch differently (2, 2, 1 and 1 panels per tile).
+    _check(native, rows, 16 * panels, 1024, with_bias=True)
+
+
 def test_batched_and_strided_inputs(native):
     w = torch.randn(32, 64)
     x = torch.randn(5, 3, 64)
