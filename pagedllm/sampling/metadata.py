@@ -47,9 +47,10 @@ class SamplingMetadata:
     @property
     def has_logit_processing(self) -> bool:
         """Whether any row's logits change before greedy argmax: an allowed-token mask, a bias,
-        pending min-tokens or a penalty."""
+        min-tokens not yet reached or a penalty."""
         return (self.allowed_token_ids_mask is not None or any(b is not None for b in self.logit_bias)
-                or bool(self.min_tokens) or not self.no_penalties)
+                or not self.no_penalties
+                or any(len(self.output_token_ids[row]) < minimum for row, (minimum, _) in self.min_tokens.items()))
 
     @classmethod
     def from_params(

@@ -118,7 +118,9 @@ class InputBatch:
     def sync(self, states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
         """Make the rows the requests ``sched`` schedules, with ``states`` already updated."""
         scheduled = sched.num_scheduled_tokens
-        for req_id in [r for r in self.req_ids if r not in scheduled]:
+        # Rows leave when not scheduled, and when their id now names another request (one that
+        # finished or was aborted, then came back under the same id with a fresh state).
+        for req_id in [r for r, s in zip(self.req_ids, self.states) if r not in scheduled or states.get(r) is not s]:
             self._remove(req_id)
         cached = sched.scheduled_cached_reqs
         for req_id, resumed, new_blocks in zip(cached.req_ids, cached.resumed_from_preemption,

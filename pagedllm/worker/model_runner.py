@@ -90,9 +90,9 @@ class ModelRunner:
         update_states(self.requests, sched, self._make_generator)
         for req_id in sched.finished_req_ids:
             self.draft_probs.pop(req_id, None)
+        self.input_batch.sync(self.requests, sched)  # an empty step empties the rows too
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        self.input_batch.sync(self.requests, sched)
         batch = self.input_batch.prepare(sched, self.block_size, self.stager)
         hidden = self._forward(batch)
         output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids})

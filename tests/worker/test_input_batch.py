@@ -151,6 +151,26 @@ def test_rows_leave_and_come_back_with_their_state():
     assert batch.block_table[0].tolist()[:3] == [7, 0, 0]
 
 
+def test_an_id_reused_by_a_new_request_gets_a_fresh_row():
+    """A request finished (or aborted) and a new one under the same id in the next step: the
+    row must come from the new state, not keep the old tokens and freed blocks."""
+    states, batch = {}, InputBatch()
+    params = SamplingParams(temperature=0.0)
+    sched = SchedulerOutput([NewRequestData("x", [1, 2, 3], params, [5], 0)], CachedRequestData(), {"x": 3}, 3, set())
+    update_states(states, sched, lambda seed: None)
+    batch.sync(states, sched)
+    states["x"].output_token_ids.append(9)
+    batch.append_tokens("x", [9])
+    version = batch.version
+    sched = SchedulerOutput([NewRequestData("x", [7, 7], params, [8], 0)], CachedRequestData(), {"x": 2}, 2, {"x"})
+    update_states(states, sched, lambda seed: None)
+    batch.sync(states, sched)
+    assert batch.tokens("x").tolist() == [7, 7] and batch.states[0] is states["x"]
+    assert batch.block_table[0, :1].tolist() == [8] and batch.version > version
+    inputs = batch.prepare(sched, BLOCK, HostStager("cpu"))
+    assert inputs.input_ids.tolist() == [7, 7] and inputs.attn.slot_mapping.tolist() == [32, 33]
+
+
 def test_sampling_metadata_select_matches_building_the_rows_directly():
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, seed=3),
               SamplingParams(temperature=1.0, top_p=0.9, min_tokens=4, presence_penalty=0.5,
