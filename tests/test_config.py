@@ -35,7 +35,7 @@ def test_step_budget_default_depends_on_the_workload(llama_model_dir):
         return args.create_engine_config(usage_context).scheduler_config.max_num_batched_tokens
 
     assert budget("llm") == 2048  # offline batches: throughput
-    assert budget("serve") == 256  # a CPU server: short chunks keep every stream's tokens flowing
+    assert budget("serve") == 128  # a CPU server: short chunks keep every stream's tokens flowing
     assert budget("serve", max_num_batched_tokens=1024) == 1024  # an explicit budget always wins
     with pytest.raises(ValueError, match="usage_context must be one of"):
         EngineArgs(model=str(llama_model_dir), device="cpu").create_engine_config("server")

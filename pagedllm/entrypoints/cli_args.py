@@ -27,7 +27,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="share of GPU memory for weights, activations and KV cache on CUDA (default 0.9)")
     g.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="token budget per step; longer prompts are chunked (default 2048; 256 for "
+                   help="token budget per step; longer prompts are chunked (default 2048; 128 for "
                         "`serve` on CPU, where a bigger chunk stalls every stream for seconds)")
     g.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="most prompt tokens one request computes per step (0 = only the step budget); "
