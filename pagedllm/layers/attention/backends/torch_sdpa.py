@@ -152,9 +152,12 @@ class TorchAttentionBackend(AttentionBackend):
             values = value_cache[seq.kv_slots].transpose(0, 1)
             query = q[seq.start:seq.end].transpose(0, 1)  # [H, Lq, D]
             mask = metadata.prefill_mask(i, layer.sliding_window)
-            res = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, is_causal=mask is None,
-                                                 scale=layer.scale, enable_gqa=num_heads != num_kv_heads)
-            out[seq.start:seq.end] = res.transpose(0, 1)
+            # 4-D (a batch of one): torch's CPU flash kernel takes only 4-D inputs; 3-D ones fall
+            # back to the math path, ~3.5x slower for a 512-token prompt.
+            res = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask,
+                                                 is_causal=mask is None, scale=layer.scale,
+                                                 enable_gqa=num_heads != num_kv_heads)
+            out[seq.start:seq.end] = res[0].transpose(0, 1)
         return out.view(-1, num_heads * head_dim)
 
     def _decode_kernel(self, layer, q, out, kv_cache, metadata: TorchAttentionMetadata) -> None:
