@@ -96,8 +96,7 @@ class InputBatch:
     """
 
     def __init__(self) -> None:
-        self.req_ids: list[str] = []
-        self.states: list[CachedRequestState] = []
+        self.states: list[CachedRequestState] = []  # row i's request
         self.row_of: dict[str, int] = {}
         self.token_ids = np.zeros((8, 256), dtype=np.int64)
         self.num_tokens = np.zeros(8, dtype=np.int64)
@@ -107,7 +106,12 @@ class InputBatch:
         self.version = 0
 
     def __len__(self) -> int:
-        return len(self.req_ids)
+        return len(self.states)
+
+    @property
+    def req_ids(self) -> list[str]:
+        """The rows' request ids, in row order."""
+        return [s.req_id for s in self.states]
 
     def tokens(self, req_id: str) -> np.ndarray:
         """The request's prompt + output so far (a view: valid until the batch next changes)."""
@@ -120,7 +124,7 @@ class InputBatch:
         scheduled = sched.num_scheduled_tokens
         # Rows leave when not scheduled, and when their id now names another request (one that
         # finished or was aborted, then came back under the same id with a fresh state).
-        for req_id in [r for r, s in zip(self.req_ids, self.states) if r not in scheduled or states.get(r) is not s]:
+        for req_id in [s.req_id for s in self.states if s.req_id not in scheduled or states.get(s.req_id) is not s]:
             self._remove(req_id)
         cached = sched.scheduled_cached_reqs
         for req_id, resumed, new_blocks in zip(cached.req_ids, cached.resumed_from_preemption,
@@ -143,9 +147,8 @@ class InputBatch:
         self.num_tokens[row] = end
 
     def _add(self, state: CachedRequestState) -> None:
-        row = len(self.req_ids)
+        row = len(self.states)
         self._fit(row + 1, state.num_tokens)
-        self.req_ids.append(state.req_id)
         self.states.append(state)
         self.row_of[state.req_id] = row
         prompt = state.num_prompt_tokens
@@ -156,17 +159,15 @@ class InputBatch:
         self.version += 1
 
     def _remove(self, req_id: str) -> None:
-        row, last = self.row_of.pop(req_id), len(self.req_ids) - 1
+        row, last = self.row_of.pop(req_id), len(self.states) - 1
         if row != last:  # the last row fills the hole
-            moved = self.req_ids[last]
-            self.req_ids[row], self.states[row] = moved, self.states[last]
-            self.row_of[moved] = row
+            self.states[row] = self.states[last]
+            self.row_of[self.states[row].req_id] = row
             width = self.num_tokens[last]
             self.token_ids[row, :width] = self.token_ids[last, :width]
             self.block_table[row] = self.block_table[last]
             for column in (self.num_tokens, self.num_computed, self.num_blocks):
                 column[row] = column[last]
-        self.req_ids.pop()
         self.states.pop()
         self.version += 1
 
@@ -194,8 +195,9 @@ class InputBatch:
         A request with proposals (speculative decoding) runs its real tokens then its proposals;
         it samples at its last real token and at every proposal, and the verifier keeps a prefix.
         """
-        n = len(self.req_ids)
-        counts = np.fromiter((sched.num_scheduled_tokens[r] for r in self.req_ids), dtype=np.int64, count=n)
+        req_ids = self.req_ids
+        n = len(req_ids)
+        counts = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
         num_drafts = np.zeros(n, dtype=np.int64)
         for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
             if drafts:  # written past the request's tokens, where this step's KV goes
@@ -219,11 +221,11 @@ class InputBatch:
         input_ids, positions, attn = batch_tensors(arrays, staged, block_size)
         sample_list = sample.tolist()
         return BatchInputs(
-            req_ids=list(self.req_ids), input_ids=input_ids, positions=positions, attn=attn,
-            logits_indices=staged["logits_indices"], sample_req_ids=[self.req_ids[i] for i in sample_list],
+            req_ids=req_ids, input_ids=input_ids, positions=positions, attn=attn,
+            logits_indices=staged["logits_indices"], sample_req_ids=[req_ids[i] for i in sample_list],
             starts=starts.tolist(), num_scheduled=counts.tolist(),
             num_draft_tokens=num_drafts[sample].tolist(),
-            draft_token_ids=[t for i in sample_list for t in sched.scheduled_spec_decode_tokens.get(self.req_ids[i], ())],
+            draft_token_ids=[t for i in sample_list for t in sched.scheduled_spec_decode_tokens.get(req_ids[i], ())],
             sample_rows=sample_rows)
 
 
