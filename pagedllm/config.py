@@ -7,11 +7,12 @@ start-up, with a message that says what to change.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm.models.hf_config import ModelArchConfig, load_hf_config, normalize_hf_config
+from pagedllm import envs
+from pagedllm.hf_config import load_hf_config, normalize_hf_config
+from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.registry import supported_architectures
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -178,7 +179,7 @@ class EngineArgs:
     # ------------------------------------------------------------------ pieces
     def _resolve_model_dir(self) -> str:
         if self.model is None or self.model == "pagedllm-demo":
-            from pagedllm.models.tiny import ensure_demo_model
+            from pagedllm.demo.tiny import ensure_demo_model
             return str(ensure_demo_model())
         path = Path(self.model).expanduser()
         if not path.is_dir():
@@ -282,8 +283,9 @@ def _resolve_device(device: str) -> str:
         raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
     if device != "auto":
         return device
-    if os.environ.get("PAGEDLLM_DEVICE"):
-        return os.environ["PAGEDLLM_DEVICE"]
+    override = envs.device_override()
+    if override is not None:
+        return override
     try:
         import torch
     except ImportError:

@@ -36,7 +36,7 @@ TinyModelFactory = Callable[..., Path]
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
     """`tiny_model_dir(arch, **kw)` -> dir of a tiny HF model; built once per session per kwargs."""
-    from pagedllm.models.tiny import build_tiny_model
+    from pagedllm.demo.tiny import build_tiny_model
 
     root = tmp_path_factory.mktemp("tiny_models")
     built: dict[str, Path] = {}

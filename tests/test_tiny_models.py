@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedllm.models import tiny
+from pagedllm.demo import tiny
 
 ARCH_FIXTURES = {
     "llama": ("llama_model_dir", "LlamaForCausalLM"),
@@ -242,7 +242,7 @@ def test_demo_model_builds_once_into_cache(tmp_path: Path, monkeypatch: pytest.M
 
 def test_importing_tiny_does_not_import_torch_or_transformers() -> None:
     code = (
-        "import sys, pagedllm.models; before = set(sys.modules); import pagedllm.models.tiny; "
+        "import sys, pagedllm.demo; before = set(sys.modules); import pagedllm.demo.tiny; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "assert not new & {'torch', 'transformers', 'tokenizers'}, new"
     )

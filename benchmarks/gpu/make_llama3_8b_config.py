@@ -35,7 +35,7 @@ _NOT_TOKENIZER_FILES = {"config.json", "generation_config.json", "model.safetens
 def write_llama3_8b_dir(path: Path) -> Path:
     from transformers import LlamaConfig
 
-    from pagedllm.models.tiny import ensure_demo_model
+    from pagedllm.demo.tiny import ensure_demo_model
 
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**LLAMA3_8B_SHAPE, architectures=["LlamaForCausalLM"], dtype="bfloat16",
@@ -51,7 +51,7 @@ def write_llama3_8b_dir(path: Path) -> Path:
 def check(path: Path) -> None:
     """What pagedllm and the bench cost model will read back must be the intended shape."""
     from pagedllm.entrypoints.bench import machine
-    from pagedllm.models.hf_config import normalize_hf_config
+    from pagedllm.hf_config import normalize_hf_config
 
     raw = json.loads((path / "config.json").read_text())
     arch = normalize_hf_config(raw)

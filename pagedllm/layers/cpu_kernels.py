@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pagedllm import envs
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 def kernels_enabled(switch: str | None = None) -> bool:
     """``PAGEDLLM_CPU_KERNELS=0`` turns off every kernel; ``switch`` (an env var name) one more."""
-    return all(os.environ.get(var, "1") != "0" for var in ("PAGEDLLM_CPU_KERNELS", switch) if var)
+    return all(envs.enabled(var) for var in ("PAGEDLLM_CPU_KERNELS", switch) if var)
 
 
 @lru_cache(maxsize=1)

@@ -9,12 +9,12 @@ Weights use the checkpoint layout ``[out_features, in_features]``.
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import envs
 from pagedllm.distributed.parallel_state import all_reduce, get_tp_rank, get_tp_size
 from pagedllm.layers.cpu_gemm_kernels import can_pack, pack_weight, packed_linear
 from pagedllm.layers.quantization import can_quantize, check_quantization, packed_linear_int8, quantize_and_pack
@@ -130,7 +130,7 @@ def cpu_gemm_weight(param: nn.Parameter) -> nn.Parameter:
 
 
 def _onednn_enabled() -> bool:
-    return torch.backends.mkldnn.is_available() and os.environ.get("PAGEDLLM_ONEDNN", "1") != "0"
+    return torch.backends.mkldnn.is_available() and envs.enabled("PAGEDLLM_ONEDNN")
 
 
 class ReplicatedLinear(LinearBase):

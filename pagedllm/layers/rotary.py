@@ -15,7 +15,7 @@ from torch import nn
 
 from pagedllm.layers.cpu_kernels import cpu_fp32_kernels
 
-from pagedllm.models.hf_config import RopeConfig
+from pagedllm.model_arch import RopeConfig
 
 
 def _default_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:

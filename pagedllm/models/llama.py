@@ -23,7 +23,7 @@ from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
-from pagedllm.models.hf_config import ModelArchConfig
+from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.weight_utils import load_packed_weights
 
 

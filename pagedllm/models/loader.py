@@ -10,7 +10,7 @@ from torch import nn
 
 from pagedllm.layers.linear import LinearBase
 from pagedllm.layers.quantization import check_quantization
-from pagedllm.models.hf_config import ModelArchConfig
+from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, safetensors_files
 

@@ -7,7 +7,7 @@ layer by the config normaliser, so the Llama attention already honours it.
 from __future__ import annotations
 
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.hf_config import ModelArchConfig
+from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 

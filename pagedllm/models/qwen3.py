@@ -10,7 +10,7 @@ import torch
 
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
-from pagedllm.models.hf_config import ModelArchConfig
+from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.config import SpeculativeConfig
-from pagedllm.models.hf_config import ModelArchConfig, load_hf_config, normalize_hf_config
+from pagedllm.hf_config import load_hf_config, normalize_hf_config
+from pagedllm.model_arch import ModelArchConfig
 
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16  # beyond this the verify forward mostly computes rejected tokens

@@ -6,7 +6,8 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from pagedllm.layers.rotary import get_rope
-from pagedllm.models.hf_config import RopeConfig, normalize_hf_config
+from pagedllm.hf_config import normalize_hf_config
+from pagedllm.model_arch import RopeConfig
 
 HEAD_DIM, HEADS, KV_HEADS, MAX_POS = 32, 4, 2, 512
 ROPES = {

@@ -8,9 +8,9 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, unpack_weight
-from pagedllm.models.hf_config import load_hf_config, normalize_hf_config
+from pagedllm.hf_config import load_hf_config, normalize_hf_config
 from pagedllm.models.loader import load_model
-from pagedllm.models.tiny import build_tiny_model
+from pagedllm.demo.tiny import build_tiny_model
 
 CPU = torch.device("cpu")
 

@@ -12,9 +12,9 @@ import transformers
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.metadata import build_common_metadata
 from pagedllm.layers.attention.selector import get_attn_backend
-from pagedllm.models.hf_config import load_hf_config, normalize_hf_config
+from pagedllm.hf_config import load_hf_config, normalize_hf_config
 from pagedllm.models.loader import load_model
-from pagedllm.models.tiny import build_tiny_model
+from pagedllm.demo.tiny import build_tiny_model
 
 BLOCK, NUM_BLOCKS = 4, 32
 ATOL = RTOL = 1e-4

@@ -7,8 +7,8 @@ elsewhere. ``triton`` on a non-CUDA device runs only under Triton's interpreter 
 from __future__ import annotations
 
 import importlib.util
-import os
 
+from pagedllm import envs
 from pagedllm.layers.attention.backends.base import AttentionBackend
 
 BACKEND_CHOICES = ("auto", "torch", "triton")
@@ -35,7 +35,7 @@ def get_attn_backend(device_type: str, name: str | None = None) -> AttentionBack
         if not triton_available():
             raise ValueError("attention backend 'triton' needs the triton package (pip install triton); "
                              "or use --attention-backend torch")
-        if device_type != "cuda" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        if device_type != "cuda" and not envs.triton_interpret():
             raise ValueError(f"attention backend 'triton' needs a CUDA device (got {device_type!r}); use "
                              "--attention-backend torch, or set TRITON_INTERPRET=1 to run it in Triton's interpreter")
         from pagedllm.layers.attention.backends.triton_attn import TritonAttentionBackend

@@ -1,6 +1,6 @@
-"""Normalise a Hugging Face ``config.json`` into our own frozen dataclass (torch-free).
+"""The boundary to Hugging Face checkpoints: ``config.json`` normalised into our own frozen
+:class:`ModelArchConfig` (torch-free).
 
-Models read only :class:`ModelArchConfig`; nothing past this boundary reads ``transformers``.
 Both the classic spelling (``rope_theta`` + ``rope_scaling``) and transformers 5's
 ``rope_parameters`` are accepted.
 """
@@ -8,67 +8,10 @@ Both the classic spelling (``rope_theta`` + ``rope_scaling``) and transformers 5
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-@dataclass(frozen=True)
-class RopeConfig:
-    """Rotary embedding parameters: ``rope_type`` is default, linear, llama3 or yarn."""
-
-    theta: float = 10000.0
-    rope_type: str = "default"
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    beta_fast: float = 32.0  # yarn
-    beta_slow: float = 1.0  # yarn
-    mscale: float | None = None  # yarn
-    mscale_all_dim: float | None = None  # yarn
-    attention_factor: float | None = None  # yarn
-    partial_rotary_factor: float = 1.0
-
-
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-
-
-@dataclass(frozen=True)
-class ModelArchConfig:
-    """Everything a decoder-only model file needs to build itself."""
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    tie_word_embeddings: bool = False
-    hidden_act: str = "silu"
-    attention_bias: bool = False
-    mlp_bias: bool = False
-    qk_norm: bool = False
-    # Per layer: the sliding window in tokens, or None for full attention.
-    sliding_windows: tuple[int | None, ...] = ()
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    torch_dtype: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_attention_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_key_value_heads * self.head_dim
+from pagedllm.model_arch import SUPPORTED_ROPE_TYPES, ModelArchConfig, RopeConfig
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedllm import envs
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -94,6 +96,7 @@ def fibonacci(n: int) -> int:
     return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)
 for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }
 import torch; x = torch.zeros((4, 16), dtype=torch.float32)
+
 {"model": "pagedllm-demo", "messages": [{"role": "user", "content": "Hi!"}], "stream": true}
 {"id": 42, "tags": ["a", "b"], "ok": false, "score": null, "ratio": 0.75}
 SELECT name, COUNT(*) FROM users WHERE age >= 18 GROUP BY name ORDER BY 2 DESC;
@@ -357,14 +360,14 @@ _DEMO_README = f"""# {DEMO_MODEL_NAME}: RANDOM WEIGHTS, GIBBERISH OUTPUT
 **WARNING: this model's weights are RANDOM. It has never been trained. Everything it
 generates is GIBBERISH.** It exists only so that `pagedllm serve` has a real
 Llama-architecture model to run with no downloads (its tokenizer is a byte-level BPE trained
-on a small built-in corpus). Built by `pagedllm.models.tiny.ensure_demo_model()`; delete this
+on a small built-in corpus). Built by `pagedllm.demo.tiny.ensure_demo_model()`; delete this
 directory to rebuild it.
 """
 
 
 def default_cache_dir() -> Path:
     """`$PAGEDLLM_CACHE`, else `~/.cache/pagedllm`."""
-    return Path(os.environ.get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
+    return envs.cache_dir()
 
 
 def ensure_demo_model() -> Path:

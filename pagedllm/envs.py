@@ -1,0 +1,61 @@
+"""Every environment variable pagedllm reads, in one place (torch-free).
+
+Values are read when asked for, not at import, so a test's ``monkeypatch.setenv`` or a
+variable set before a subprocess starts takes effect. ``docs/architecture.md`` lists the
+same table for users; ``tests/test_envs.py`` checks that nothing else in the package reads
+``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: str
+    meaning: str
+
+
+ENV_VARS: dict[str, EnvVar] = {v.name: v for v in (
+    EnvVar("PAGEDLLM_DEVICE", "", "device used when --device is auto: cpu or cuda (default: cuda if present)"),
+    EnvVar("PAGEDLLM_CACHE", "", "where the demo model is built (default ~/.cache/pagedllm)"),
+    EnvVar("PAGEDLLM_CPU_KERNELS", "1", "0 turns every C++ CPU kernel off (the torch / oneDNN paths run)"),
+    EnvVar("PAGEDLLM_CPU_GEMM", "1", "0 turns only the packed fp32 GEMM kernel off (oneDNN then runs)"),
+    EnvVar("PAGEDLLM_ONEDNN", "1", "0 keeps fp32 weights out of oneDNN's prepacked layout"),
+    EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
+)}
+
+_DEVICES = ("cpu", "cuda")
+
+
+def get(name: str) -> str:
+    """The variable's value, or its default when unset."""
+    return os.environ.get(name, ENV_VARS[name].default)
+
+
+def enabled(name: str) -> bool:
+    """A switch that is on unless set to 0 (``PAGEDLLM_CPU_KERNELS``, ...)."""
+    return get(name) != "0"
+
+
+def device_override() -> str | None:
+    """``PAGEDLLM_DEVICE`` if set; a value other than cpu or cuda is a ValueError."""
+    value = get("PAGEDLLM_DEVICE")
+    if not value:
+        return None
+    if value not in _DEVICES:
+        raise ValueError(f"PAGEDLLM_DEVICE must be cpu or cuda, got {value!r}; unset it or fix its value")
+    return value
+
+
+def cache_dir() -> Path:
+    """``$PAGEDLLM_CACHE``, else ``~/.cache/pagedllm``."""
+    return Path(get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
+
+
+def triton_interpret() -> bool:
+    return get("TRITON_INTERPRET") not in ("", "0")
