@@ -96,7 +96,6 @@ def fibonacci(n: int) -> int:
     return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)
 for (int i = 0; i < n; ++i) { sum += a[i] * b[i]; }
 import torch; x = torch.zeros((4, 16), dtype=torch.float32)
-
 {"model": "pagedllm-demo", "messages": [{"role": "user", "content": "Hi!"}], "stream": true}
 {"id": 42, "tags": ["a", "b"], "ok": false, "score": null, "ratio": 0.75}
 SELECT name, COUNT(*) FROM users WHERE age >= 18 GROUP BY name ORDER BY 2 DESC;
