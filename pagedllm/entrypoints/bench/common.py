@@ -33,7 +33,7 @@ def write_dummy_model_dir(path: Path) -> Path:
     load it with ``load_format="dummy"`` (``pagedllm serve DIR --load-format dummy``)."""
     from transformers import LlamaConfig
 
-    from pagedllm.demo.tiny import ensure_demo_model
+    from pagedllm.demo.demo_model import ensure_demo_model
 
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**SMOLLM_135M_SHAPE, architectures=["LlamaForCausalLM"], dtype="float32",
