@@ -263,3 +263,17 @@ def test_with_demo_model_fills_in_only_a_missing_model(tmp_path: Path, monkeypat
                                                                     "float32")
     named = demo_model.with_demo_model(EngineArgs(served_model_name="demo"))
     assert named.served_model_name == "demo"
+
+
+def test_installed_transformers_is_in_the_declared_range() -> None:
+    """The builder writes transformers 5's config fields: pyproject declares the range these tests run."""
+    import tomllib
+
+    import transformers
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    reqs = [Requirement(r) for r in pyproject["project"]["dependencies"]]
+    (spec,) = [r.specifier for r in reqs if r.name == "transformers"]
+    assert spec.contains(transformers.__version__), (str(spec), transformers.__version__)
+    assert not spec.contains("4.57.0")  # rope_parameters is a transformers 5 field
