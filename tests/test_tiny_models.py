@@ -63,7 +63,8 @@ def test_tokenizer_training_is_deterministic() -> None:
 def test_tokenizer_special_tokens(tokenizer) -> None:
     assert len(tokenizer) == 512
     assert tokenizer.convert_tokens_to_ids(demo_tokenizer.SPECIAL_TOKENS) == [0, 1, 2, 3, 4, 5]
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (demo_tokenizer.BOS, demo_tokenizer.EOS, demo_tokenizer.PAD)
+    specials = (demo_tokenizer.BOS, demo_tokenizer.EOS, demo_tokenizer.PAD)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == specials
     assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id
     assert tokenizer.encode("hi", add_special_tokens=False)[0] != tokenizer.bos_token_id
 
