@@ -80,7 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def model_dir(args: argparse.Namespace, tmp: Path) -> tuple[str, str, str]:
     """(path, load_format, description)."""
-    from pagedllm.demo.tiny import ensure_demo_model
+    from pagedllm.demo.demo_model import ensure_demo_model
 
     if args.model:
         return args.model, "auto", args.model

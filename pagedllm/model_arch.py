@@ -67,3 +67,9 @@ class ModelArchConfig:
     @property
     def kv_size(self) -> int:
         return self.num_key_value_heads * self.head_dim
+
+
+# The Hugging Face ``architectures[0]`` names pagedllm runs; models/registry.py maps each to its
+# class (tests/test_config_choices.py checks that the two agree). Here, so that the torch-free
+# config can reject an unknown model without reaching into models/.
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")

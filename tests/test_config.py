@@ -42,7 +42,8 @@ def test_step_budget_default_depends_on_the_workload(llama_model_dir):
 
 
 @pytest.mark.parametrize("dtype, resolved", [("auto", "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"),
-                                             ("half", "float16"), ("bf16", "bfloat16"), ("float", "float32")])
+                                             ("half", "float16"), ("bf16", "bfloat16"), ("float", "float32"),
+                                             ("fp16", "float16"), ("fp32", "float32"), ("float16", "float16")])
 def test_dtype(llama_model_dir, dtype, resolved):
     assert _config(llama_model_dir, dtype=dtype).model_config.dtype == resolved
 
@@ -102,6 +103,10 @@ def test_unknown_architecture(llama_model_dir, tmp_path):
     ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be an integer >= 0"),
     ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
     ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=1"),
+    ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, triton"),
+    ({"quantization": "int4"}, "quantization must be None"),
+    ({"structured_outputs_backend": "outlines"}, "structured_outputs_backend must be one of"),
 ])
 def test_bad_values(llama_model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -135,5 +140,50 @@ def test_config_is_torch_free_to_build(llama_model_dir):
 
     code = ("import sys; from pagedllm.config import EngineArgs; "
             f"EngineArgs(model={str(llama_model_dir)!r}, device='cpu').create_engine_config(); "
-            "assert 'torch' not in sys.modules, 'config imported torch'")
+            "assert 'torch' not in sys.modules, 'config imported torch'; "
+            "assert not [m for m in sys.modules if m.startswith('pagedllm.demo')], 'config imported the demo'; "
+            "assert not {'transformers', 'tokenizers'} & set(sys.modules), 'config imported transformers'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_no_model_is_an_error_here_the_entrypoints_fill_in_the_demo():
+    """Config creation never builds or trains the demo model (LLM() and `serve` do, before it)."""
+    with pytest.raises(ValueError, match="no model given"):
+        EngineArgs(device="cpu").create_engine_config()
+
+
+# ------------------------------------------------------------------ the CPU KV pool: one default, one check
+def test_cpu_kv_pool_default_is_resolved_in_the_config(llama_model_dir):
+    from pagedllm.config import DEFAULT_CPU_KV_CACHE_GIB, GiB
+
+    assert _config(llama_model_dir).cache_config.kv_cache_memory_bytes == int(DEFAULT_CPU_KV_CACHE_GIB * GiB)
+    assert _config(llama_model_dir, kv_cache_memory=0.5).cache_config.kv_cache_memory_bytes == GiB // 2
+    # CUDA sizes its pool from the free memory after profiling: no fixed default there.
+    assert _config(llama_model_dir, device="cuda").cache_config.kv_cache_memory_bytes is None
+
+
+def test_the_default_goes_through_the_one_check_and_the_worker_uses_it(llama_model_dir, monkeypatch):
+    from pagedllm import LLM
+    from pagedllm.config import cache
+
+    monkeypatch.setattr(cache, "DEFAULT_CPU_KV_CACHE_GIB", 32 * 8192 / (1 << 30))  # 32 blocks: one short
+    with pytest.raises(ValueError, match="raise kv_cache_memory or lower max_model_len"):
+        _config(llama_model_dir, max_model_len=512)
+    monkeypatch.setattr(cache, "DEFAULT_CPU_KV_CACHE_GIB", 40 * 8192 / (1 << 30))
+    llm = LLM(str(llama_model_dir), device="cpu", max_model_len=512, max_num_seqs=4)
+    assert llm.llm_engine.engine_core.num_blocks == 40  # the worker sized the pool from the resolved value
+
+
+def test_num_gpu_blocks_override_skips_the_memory_check(llama_model_dir):
+    config = _config(llama_model_dir, kv_cache_memory=8192 / (1 << 30), num_gpu_blocks_override=40)
+    assert config.cache_config.num_gpu_blocks_override == 40
+
+
+def test_prompt_lookup_defaults_are_defined_once(llama_model_dir):
+    """SpeculativeConfig's defaults are the builder's for {"method": "ngram"} (2..4)."""
+    from pagedllm.config import SpeculativeConfig
+
+    built = _config(llama_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    plain = SpeculativeConfig("ngram", 3)
+    assert (built.speculative_config.prompt_lookup_min, built.speculative_config.prompt_lookup_max) == (2, 4)
+    assert built.speculative_config == plain

@@ -12,7 +12,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedllm.demo import tiny
+from pagedllm.demo import demo_model, tiny
+from pagedllm.demo import tokenizer as demo_tokenizer
 
 ARCH_FIXTURES = {
     "llama": ("llama_model_dir", "LlamaForCausalLM"),
@@ -54,15 +55,16 @@ def tokenizer(llama_model_dir: Path):
 
 
 def test_tokenizer_training_is_deterministic() -> None:
-    first = tiny._train_tokenizer_json(512)
-    tiny._train_tokenizer_json.cache_clear()
-    assert tiny._train_tokenizer_json(512) == first
+    first = demo_tokenizer._train_tokenizer_json(512)
+    demo_tokenizer._train_tokenizer_json.cache_clear()
+    assert demo_tokenizer._train_tokenizer_json(512) == first
 
 
 def test_tokenizer_special_tokens(tokenizer) -> None:
     assert len(tokenizer) == 512
-    assert tokenizer.convert_tokens_to_ids(tiny.SPECIAL_TOKENS) == [0, 1, 2, 3, 4, 5]
-    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == (tiny.BOS, tiny.EOS, tiny.PAD)
+    assert tokenizer.convert_tokens_to_ids(demo_tokenizer.SPECIAL_TOKENS) == [0, 1, 2, 3, 4, 5]
+    specials = (demo_tokenizer.BOS, demo_tokenizer.EOS, demo_tokenizer.PAD)
+    assert (tokenizer.bos_token, tokenizer.eos_token, tokenizer.pad_token) == specials
     assert tokenizer.encode("hi")[0] == tokenizer.bos_token_id
     assert tokenizer.encode("hi", add_special_tokens=False)[0] != tokenizer.bos_token_id
 
@@ -125,7 +127,7 @@ def test_model_loads_offline_with_expected_config(request: pytest.FixtureRequest
     assert len(tok) <= cfg["vocab_size"] and cfg["bos_token_id"] == tok.bos_token_id
     assert cfg["dtype"] == "float32"
     gen = json.loads((model_dir / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids(tiny.IM_END)]
+    assert gen["eos_token_id"] == [tok.eos_token_id, tok.convert_tokens_to_ids(demo_tokenizer.IM_END)]
 
 
 def test_arch_specific_weights_and_config(
@@ -227,23 +229,52 @@ def test_build_is_idempotent(tmp_path: Path) -> None:
 
 def test_demo_model_builds_once_into_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
-    assert tiny.default_cache_dir() == tmp_path
-    path = tiny.ensure_demo_model()
+    assert demo_model.default_cache_dir() == tmp_path
+    path = demo_model.ensure_demo_model()
     assert path == tmp_path / "demo-llama"
     assert "RANDOM" in (path / "README.md").read_text()
     cfg = _config(path)
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["hidden_size"] == 256
     assert len(AutoTokenizer.from_pretrained(path)) == cfg["vocab_size"] == 2048
     mtime = (path / "model.safetensors").stat().st_mtime_ns
-    assert tiny.ensure_demo_model() == path
+    assert demo_model.ensure_demo_model() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime
     assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-llama"]
 
 
-def test_importing_tiny_does_not_import_torch_or_transformers() -> None:
+@pytest.mark.parametrize("module", ["corpus", "tokenizer", "tiny", "demo_model"])
+def test_importing_demo_does_not_import_torch_or_transformers(module: str) -> None:
     code = (
-        "import sys, pagedllm.demo; before = set(sys.modules); import pagedllm.demo.tiny; "
+        f"import sys, pagedllm.demo; before = set(sys.modules); import pagedllm.demo.{module}; "
         "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
         "assert not new & {'torch', 'transformers', 'tokenizers'}, new"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_with_demo_model_fills_in_only_a_missing_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.config import EngineArgs
+
+    given = EngineArgs(model=str(tmp_path), served_model_name="mine")
+    assert demo_model.with_demo_model(given) is given
+    monkeypatch.setattr(demo_model, "ensure_demo_model", lambda: tmp_path / "demo")  # no build here
+    for model in (None, "pagedllm-demo"):
+        args = demo_model.with_demo_model(EngineArgs(model=model, dtype="float32"))
+        assert (args.model, args.served_model_name, args.dtype) == (str(tmp_path / "demo"), "pagedllm-demo",
+                                                                    "float32")
+    named = demo_model.with_demo_model(EngineArgs(served_model_name="demo"))
+    assert named.served_model_name == "demo"
+
+
+def test_installed_transformers_is_in_the_declared_range() -> None:
+    """The builder writes transformers 5's config fields: pyproject declares the range these tests run."""
+    import transformers
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    from packaging.requirements import Requirement
+
+    pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    reqs = [Requirement(r) for r in pyproject["project"]["dependencies"]]
+    (spec,) = [r.specifier for r in reqs if r.name == "transformers"]
+    assert spec.contains(transformers.__version__), (str(spec), transformers.__version__)
+    assert not spec.contains("4.57.0")  # rope_parameters is a transformers 5 field

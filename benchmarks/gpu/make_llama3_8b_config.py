@@ -35,7 +35,7 @@ _NOT_TOKENIZER_FILES = {"config.json", "generation_config.json", "model.safetens
 def write_llama3_8b_dir(path: Path) -> Path:
     from transformers import LlamaConfig
 
-    from pagedllm.demo.tiny import ensure_demo_model
+    from pagedllm.demo.demo_model import ensure_demo_model
 
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**LLAMA3_8B_SHAPE, architectures=["LlamaForCausalLM"], dtype="bfloat16",

@@ -46,8 +46,6 @@ def _add_serve(sub) -> None:
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
                            description="Serve a model over an OpenAI-compatible HTTP API.",
                            epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    serve.add_argument("model", nargs="?", default=None,
-                       help="local Hugging Face-format model directory (default: the built-in demo model)")
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
@@ -60,8 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     gen = sub.add_parser("generate", help="generate text offline for a few prompts",
                          description="Generate text for the given prompts with the offline engine.")
-    gen.add_argument("model", nargs="?", default=None,
-                     help="local Hugging Face-format model directory (default: the built-in random-weight demo model)")
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")

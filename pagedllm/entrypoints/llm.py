@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from pagedllm.config import EngineArgs
+from pagedllm.demo.demo_model import with_demo_model
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.outputs import RequestOutput
@@ -24,7 +25,7 @@ class LLM:
         unknown = set(kwargs) - EngineArgs.field_names()
         if unknown:
             raise TypeError(f"unknown LLM arguments: {', '.join(sorted(unknown))}")
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.llm_engine = LLMEngine.from_engine_args(with_demo_model(EngineArgs(model=model, **kwargs)))
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer

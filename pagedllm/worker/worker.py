@@ -27,7 +27,6 @@ from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-_DEFAULT_CPU_KV_GIB = 4.0
 MiB = 1 << 20
 # Allocator fragmentation and buffers created after profiling (cuBLAS workspaces on new streams).
 _RUNTIME_RESERVE = 256 * MiB
@@ -97,8 +96,6 @@ class Worker:
         max_len = self.config.model_config.max_model_len
         head = (f"the KV cache budget ({max(budget, 0) / (1 << 30):.3g} GiB) cannot hold one request of "
                 f"max_model_len={max_len} ({needed / (1 << 30):.3g} GiB)")
-        if self.device.type != "cuda":
-            return f"{head}; lower max_model_len or raise kv_cache_memory"
         utilization = self.config.cache_config.gpu_memory_utilization
         return (f"{head} after the weights and the activations of max_num_batched_tokens="
                 f"{self.config.scheduler_config.max_num_batched_tokens} tokens within gpu_memory_utilization="
@@ -117,7 +114,8 @@ class Worker:
                         reserve / (1 << 30), budget / (1 << 30))
             return budget
         memory = self.config.cache_config.kv_cache_memory_bytes
-        return memory if memory is not None else int(_DEFAULT_CPU_KV_GIB * (1 << 30))
+        assert memory is not None, "CacheConfig resolves the CPU KV pool's size (config/cache.py)"
+        return memory
 
     @torch.inference_mode()
     def _profile_run(self) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedllm.engine.protocol import EngineCoreRequest
-from pagedllm.demo.tiny import build_tokenizer
+from pagedllm.demo.tokenizer import build_tokenizer
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarCompileError, StructuredOutputBackend
 from pagedllm.structured_output.bitmask import apply_bitmask_torch, apply_grammar_bitmask

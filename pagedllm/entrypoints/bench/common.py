@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
+from pagedllm.config.choices import DEVICES, LOAD_FORMATS, QUANTIZATION_METHODS, canonical_dtype
 from pagedllm.entrypoints.bench.datasets import (BenchRequest, long_prompt_mix_requests, prefix_sharing_requests,
                                                  random_requests)
 
@@ -33,7 +34,7 @@ def write_dummy_model_dir(path: Path) -> Path:
     load it with ``load_format="dummy"`` (``pagedllm serve DIR --load-format dummy``)."""
     from transformers import LlamaConfig
 
-    from pagedllm.demo.tiny import ensure_demo_model
+    from pagedllm.demo.demo_model import ensure_demo_model
 
     path.mkdir(parents=True, exist_ok=True)
     config = LlamaConfig(**SMOLLM_135M_SHAPE, architectures=["LlamaForCausalLM"], dtype="float32",
@@ -82,10 +83,10 @@ def bench_model(args: argparse.Namespace) -> Iterator[BenchModel]:
 # ---------------------------------------------------------------------------------------------- flags
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir; default: dummy-weight SmolLM-135M shape")
-    p.add_argument("--load-format", default=None, choices=("auto", "safetensors", "dummy"),
+    p.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
                    help="default: dummy for the default model, auto for --model")
     p.add_argument("--dtype", default="float32", help="model dtype (default float32: fastest on CPU)")
-    p.add_argument("--device", default="cpu", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--seed", type=int, default=0, help="seeds requests, dummy weights and baselines")
     p.add_argument("--output-json", default=None, metavar="PATH", help="also write the JSON report here")
 
@@ -96,7 +97,7 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (CPU); engine default if unset")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--quantization", default=None, choices=["int8"],
+    g.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
                    help="weight-only int8 linears (CPU); the floors still count float32 weight bytes")
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
 
@@ -115,7 +116,7 @@ def measure_limits(args: argparse.Namespace) -> Any:
 
     from pagedllm.entrypoints.bench import machine
 
-    name = {"float": "float32", "half": "float16", "bf16": "bfloat16"}.get(args.dtype, args.dtype)
+    name = canonical_dtype(args.dtype)
     return machine.measure_limits(getattr(torch, name), args.limits_copy_mib, args.limits_gemm_n,
                                   bandwidth=args.bandwidth)
 

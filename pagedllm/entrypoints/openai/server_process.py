@@ -24,9 +24,10 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         options = ServerOptions.from_args(args)
         sock = _bind_socket(args.host, args.port)
+        from pagedllm.demo.demo_model import with_demo_model
         from pagedllm.entrypoints.cli_args import engine_args_from_namespace
 
-        config = engine_args_from_namespace(args).create_engine_config(usage_context="serve")
+        config = with_demo_model(engine_args_from_namespace(args)).create_engine_config(usage_context="serve")
     except (ValueError, OSError) as exc:
         _startup_error(exc)
         return 2

@@ -1,0 +1,30 @@
+"""The names a setting may take: one torch-free table each.
+
+The config validation and the generated CLI choices read these. Implementations that live
+behind torch (the attention selector, the quantization methods, the weight loader, the tool-call
+parsers, the model registry) keep their own tables keyed by the same names, and
+``tests/test_config_choices.py`` fails when the two disagree.
+"""
+
+from __future__ import annotations
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
+DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)  # what --dtype / dtype= accept
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")  # models/loader.py
+QUANTIZATION_METHODS = ("int8",)  # layers/quantization.py
+SCHEDULING_POLICIES = ("fcfs", "priority")
+DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers/attention/selector.py
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)  # structured_output/manager.py
+SPECULATIVE_METHODS = ("ngram", "draft_model")  # the proposers in spec_decode/
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # entrypoints/openai/tool_parsers.py
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+USAGE_CONTEXTS = ("llm", "serve")  # offline batches, the OpenAI server
+
+
+def canonical_dtype(dtype: str) -> str:
+    """``fp16`` -> ``float16`` etc.; other names unchanged (checked by the caller)."""
+    return DTYPE_ALIASES.get(dtype, dtype)

@@ -1,0 +1,99 @@
+"""``EngineArgs`` (every engine option, one dataclass per topic) -> one frozen ``EngineConfig``.
+
+Torch-free (torch is imported lazily only to detect a GPU). Impossible settings fail here, at
+start-up, with a message that says what to change. ``EngineArgs`` is the union of the topic
+dataclasses' fields, so its keyword names, ``LLM(...)``'s and the CLI flags come from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from pagedllm.config.cache import CacheArgs, CacheConfig
+from pagedllm.config.choices import USAGE_CONTEXTS
+from pagedllm.config.device import DeviceArgs
+from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
+from pagedllm.config.options import GiB
+from pagedllm.config.parallel import ParallelArgs, ParallelConfig
+from pagedllm.config.scheduler import SchedulerArgs, SchedulerConfig
+from pagedllm.config.speculative import SpeculativeArgs, SpeculativeConfig
+from pagedllm.config.structured_outputs import StructuredOutputsArgs, StructuredOutputsConfig
+from pagedllm.hf_config import load_hf_config, normalize_hf_config
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    parallel_config: ParallelConfig
+    device: str  # cpu | cuda
+    attention_backend: str | None = None  # None or auto: the device's default
+    structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
+    speculative_config: SpeculativeConfig | None = None
+    enforce_eager: bool = False  # CUDA: never capture CUDA graphs (decode runs eagerly, as on CPU)
+
+    def kv_bytes_per_block(self) -> int:
+        """Target layers plus, with a draft model, its layers: both share every block table."""
+        archs = [self.model_config.arch]
+        if self.speculative_config is not None and self.speculative_config.draft_arch is not None:
+            archs.append(self.speculative_config.draft_arch)
+        per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in archs)
+        return per_token * self.cache_config.block_size * self.model_config.dtype_bytes
+
+    def blocks_per_max_len_request(self) -> int:
+        lookahead = 0 if self.speculative_config is None else self.speculative_config.num_lookahead_tokens
+        return -(-(self.model_config.max_model_len + lookahead) // self.cache_config.block_size)
+
+
+# The topics in the order their fields (and flags) appear: dataclasses collect base-class fields
+# from the last base to the first, so ModelArgs (model first) is listed last.
+ENGINE_TOPICS: tuple[type, ...] = (ModelArgs, LoadArgs, CacheArgs, SchedulerArgs, ParallelArgs, DeviceArgs,
+                                   StructuredOutputsArgs, SpeculativeArgs)
+
+
+@dataclass
+class EngineArgs(SpeculativeArgs, StructuredOutputsArgs, DeviceArgs, ParallelArgs, SchedulerArgs, CacheArgs,
+                 LoadArgs, ModelArgs):
+    """Every engine option, spelled as vLLM spells it: the fields of the topic dataclasses."""
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        return {f.name for f in dataclasses.fields(cls)}
+
+    def create_engine_config(self, usage_context: str = "llm") -> EngineConfig:
+        """The checked configuration. ``usage_context`` ("llm": offline batches, "serve": the
+        OpenAI server) picks defaults that depend on the workload (the step token budget)."""
+        if usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {sorted(USAGE_CONTEXTS)}, got {usage_context!r}")
+        model_dir = self.model_dir()
+        arch = normalize_hf_config(load_hf_config(model_dir))
+        self.check_load()
+        self.check_attention_backend()
+        device = self.resolve_device()
+        model_config = self.create_model_config(model_dir, arch, device, self.load_format)
+        config = EngineConfig(
+            model_config, self.create_cache_config(device),
+            self.create_scheduler_config(model_config.max_model_len, device, usage_context),
+            self.create_parallel_config(), device, self.attention_backend,
+            self.create_structured_outputs_config(),
+            self.create_speculative_config(arch, model_config.max_model_len),
+            enforce_eager=bool(self.enforce_eager))
+        check_kv_budget(config)
+        return config
+
+
+def check_kv_budget(config: EngineConfig) -> None:
+    """The one check that a fixed KV pool (CPU) holds a request of max_model_len."""
+    memory = config.cache_config.kv_cache_memory_bytes
+    if memory is None or config.device != "cpu" or config.cache_config.num_gpu_blocks_override is not None:
+        return  # CUDA: the worker sizes the pool from the free memory; an override: it checks the count
+    blocks = memory // config.kv_bytes_per_block()
+    needed = config.blocks_per_max_len_request() + 1  # + the null block, as the worker counts it
+    if blocks < needed:
+        need_gib = needed * config.kv_bytes_per_block() / GiB
+        raise ValueError(f"kv_cache_memory={memory / GiB:.3g} GiB holds {blocks} blocks of "
+                         f"{config.cache_config.block_size} tokens, but one request of max_model_len="
+                         f"{config.model_config.max_model_len} needs {needed} blocks ({need_gib:.3g} GiB); "
+                         "raise kv_cache_memory or lower max_model_len")
