@@ -82,12 +82,12 @@ def test_tied_checkpoint_may_carry_lm_head(tmp_path):
                         lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
     for p in (src, path):
         model = load(p, config)
-        # Same values; on CPU the head holds its own GEMM-layout copy (see cpu_gemm_weight).
+        # Same values; on CPU the head holds its own GEMM-layout copy (see layers/quantization/unquantized.py).
         assert torch.equal(_dense(model.lm_head.weight), model.model.embed_tokens.weight)
 
 
 def _dense(w):
-    """The [out, in] values of a weight in any CPU GEMM layout (see cpu_gemm_weight)."""
+    """The [out, in] values of a weight in any CPU GEMM layout (see layers/quantization/unquantized.py)."""
     if w.dim() == 3:
         return unpack_weight(w)
     return w.to_dense() if w.layout == torch._mkldnn else w
