@@ -29,7 +29,7 @@ class TPGroup:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
 
     @classmethod
-    def from_process_group(cls, group: dist.ProcessGroup | None = None) -> "TPGroup":
+    def from_process_group(cls, group: dist.ProcessGroup | None = None) -> TPGroup:
         """The group over ``group``'s ranks (the world group when None); needs torch.distributed."""
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 

@@ -12,7 +12,8 @@ reference (tests; a backend told not to use kernels).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,7 +56,7 @@ class CustomOp(nn.Module):
             return self.forward_cuda
         return self.forward_native
 
-    def force_native(self) -> "CustomOp":
+    def force_native(self) -> CustomOp:
         """Always run ``forward_native`` from now on; returns self."""
         self._forward_method = self.forward_native
         return self

@@ -24,7 +24,7 @@ class VocabShard:
     shard_size: int
 
     @classmethod
-    def of(cls, num_embeddings: int, rank: int, size: int) -> "VocabShard":
+    def of(cls, num_embeddings: int, rank: int, size: int) -> VocabShard:
         shard_size = -(-num_embeddings // size)  # ceil
         start = min(rank * shard_size, num_embeddings)
         return cls(start, min(start + shard_size, num_embeddings), shard_size)

@@ -17,7 +17,7 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.quantization import QuantizationConfig, current_quant_config
 from pagedllm.layers.quantization.base import set_weight_attrs
-from pagedllm.layers.sharding import ShardId, copy_checked, divide, narrow_checked
+from pagedllm.layers.sharding import ShardId, copy_checked, divide, input_dim, narrow_checked, output_dim
 
 
 class LinearBase(nn.Module):
@@ -60,14 +60,14 @@ class ColumnParallelLinear(LinearBase):
         return input_size, [divide(n, self.tp.size, "output size") for n in output_sizes]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        dim = param.output_dim
+        dim = output_dim(param)
         rows = param.shape[dim]
         copy_checked(param, narrow_checked(loaded_weight, dim, self.tp.rank * rows, rows))
 
     def load_fused_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, source: int) -> None:
         """Copy projection ``index``'s slice number ``source`` of a checkpoint tensor into its
         place in the fused parameter (the projections are concatenated along the output dim)."""
-        dim, size = param.output_dim, self.output_sizes[index]
+        dim, size = output_dim(param), self.output_sizes[index]
         offset = sum(self.output_sizes[:index])
         copy_checked(param.data.narrow(dim, offset, size), narrow_checked(loaded_weight, dim, source * size, size))
 
@@ -140,7 +140,7 @@ class RowParallelLinear(LinearBase):
         return divide(input_size, self.tp.size, "input size"), output_sizes
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        dim = param.input_dim
+        dim = input_dim(param)
         if dim is None:  # the bias is not split
             copy_checked(param, loaded_weight)
             return

@@ -36,3 +36,13 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
         raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
                          f"the parameter expects {tuple(param.shape)}")
     param.data.copy_(loaded)
+
+
+def output_dim(param: torch.Tensor) -> int:
+    """The dimension a column-parallel split cuts (0 for a dense [out, in] weight and a bias)."""
+    return getattr(param, "output_dim", 0)
+
+
+def input_dim(param: torch.Tensor) -> int | None:
+    """The dimension a row-parallel split cuts (1 for a dense weight; None: not split, a bias)."""
+    return getattr(param, "input_dim", 1 if param.dim() == 2 else None)

@@ -7,9 +7,15 @@ import torch.nn.functional as F
 from pagedllm import config as engine_config
 from pagedllm.layers.embedding import ParallelLMHead
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedllm.layers.quantization import (QUANTIZATION_CONFIGS, QUANTIZATION_METHODS, LinearMethodBase,
-                                          QuantizationConfig, building_with, current_quant_config,
-                                          get_quantization_config)
+from pagedllm.layers.quantization import (
+    QUANTIZATION_CONFIGS,
+    QUANTIZATION_METHODS,
+    LinearMethodBase,
+    QuantizationConfig,
+    building_with,
+    current_quant_config,
+    get_quantization_config,
+)
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 

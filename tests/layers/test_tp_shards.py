@@ -11,8 +11,12 @@ import torch
 from pagedllm.distributed import parallel_state
 from pagedllm.distributed.parallel_state import TPGroup, get_tp_group
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding, VocabShard
-from pagedllm.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
-                                    RowParallelLinear)
+from pagedllm.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 
 
 class LocalShard(TPGroup):

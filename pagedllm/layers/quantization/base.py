@@ -11,7 +11,8 @@ its shard, and a new format (AWQ, GPTQ, FP8, GGUF) is one more module in this pa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 from torch import nn

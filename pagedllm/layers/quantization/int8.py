@@ -20,16 +20,15 @@ on the tiny test model (one more greedy divergence in 6 prompts x 16 tokens), so
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 import torch
 from torch import nn
 
 from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import build_cpu_library, kernels_enabled
-from pagedllm.layers.quantization.base import (LinearMethodBase, QuantizationConfig, WeightLoader,
-                                               create_dense_weight)
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -99,13 +98,18 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([body, tail])
 
 
+def _not_quantized_yet(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    raise RuntimeError("an int8 layer runs only after its quant_method.process_weights_after_loading")
+
+
 class Int8LinearMethod(LinearMethodBase):
     """Loads the float checkpoint weight, then stores it as packed int8 with a per-output-channel
     scale (buffer ``weight_scale``). A weight the kernel cannot take (not CPU float32, out % 16,
     no kernel) keeps a float layout: the layer's method becomes the unquantized one, with a warning."""
 
     def __init__(self) -> None:
-        self._kernel: PackedLinearInt8 | None = None  # set once the weight is quantized
+        self._kernel: PackedLinearInt8 = _not_quantized_yet  # the int8 GEMM once the weight is quantized
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
@@ -113,7 +117,7 @@ class Int8LinearMethod(LinearMethodBase):
         layer.register_buffer("weight_scale", None, persistent=False)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self._kernel is not None:
+        if self._kernel is not _not_quantized_yet:
             return
         w = layer.weight.data
         if not can_quantize(w):
@@ -125,7 +129,9 @@ class Int8LinearMethod(LinearMethodBase):
             return
         packed, layer.weight_scale = quantize_and_pack(w)
         layer.weight = nn.Parameter(packed, requires_grad=False)
-        self._kernel = load_int8_gemm()
+        kernel = load_int8_gemm()
+        assert kernel is not None, "can_quantize checked that the kernel built"
+        self._kernel = kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self._kernel(x, layer.weight, layer.weight_scale, bias)

@@ -20,8 +20,8 @@ tests nothing per call.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,8 +29,7 @@ from torch import nn
 
 from pagedllm import envs
 from pagedllm.layers.cpu_gemm_kernels import can_pack, load_cpu_gemm, pack_weight
-from pagedllm.layers.quantization.base import (LinearMethodBase, QuantizationConfig, WeightLoader,
-                                               create_dense_weight)
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
