@@ -10,6 +10,7 @@ from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.quantization import QuantizationConfig, current_quant_config
+from pagedllm.layers.quantization.base import set_weight_attrs
 from pagedllm.layers.sharding import ShardId, copy_checked
 
 
@@ -47,7 +48,7 @@ class VocabParallelEmbedding(nn.Module):
     def create_weight(self) -> None:
         """``weight`` [shard_size, embedding_dim]: this rank's rows of the table."""
         self.weight = nn.Parameter(torch.empty(self.shard.shard_size, self.embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_attrs(self.weight, weight_loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy this rank's rows of the full [vocab, hidden] checkpoint table; zero the padding."""

@@ -119,6 +119,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, use_cpu_kernels: bool = True) -> None:
         self.use_cpu_kernels = use_cpu_kernels
+        # One backend serves one model's caches (one dtype): the write picks its path on the first.
         self.write_kv = KVCacheWrite() if use_cpu_kernels else KVCacheWrite().force_native()
 
     def _kernels(self, device: torch.device):
