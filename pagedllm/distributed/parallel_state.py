@@ -1,49 +1,67 @@
-"""The tensor-parallel group and its collectives; identity at world size 1.
+"""The tensor-parallel group: the one place that knows this rank's place in it.
 
-Only the parallel layers (``pagedllm.layers.linear`` / ``embedding``) call these, so model files
-never know about tensor parallelism. Without an initialised ``torch.distributed`` the rank is 0
-and the size 1, which is what tests and single-device runs get.
+Layers ask :func:`get_tp_group` once, at construction, and keep the answer: the parallel linears
+and the vocab-parallel embedding / LM head size their shard from ``rank`` / ``size`` and call its
+collectives in ``forward``. Model files never see it. Without an initialised ``torch.distributed``
+(tests, single-device runs) the group is rank 0 of 1 and its collectives are the identity; with
+one, and nothing installed, it is the default (world) group. :func:`set_tp_group` installs a group
+explicitly (a worker that splits the world into TP x PP groups; tests that build one rank's layers
+with a simulated group).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
-# None means "the default (world) group" once torch.distributed is initialised.
-_TP_GROUP: dist.ProcessGroup | None = None
+
+@dataclass(frozen=True)
+class TPGroup:
+    """This rank's index in a tensor-parallel group of ``size`` ranks, and the group's collectives."""
+
+    rank: int = 0
+    size: int = 1
+    group: dist.ProcessGroup | None = None  # None: torch.distributed's default group
+
+    def __post_init__(self) -> None:
+        assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
+
+    @classmethod
+    def from_process_group(cls, group: dist.ProcessGroup | None = None) -> TPGroup:
+        """The group over ``group``'s ranks (the world group when None); needs torch.distributed."""
+        return cls(dist.get_rank(group), dist.get_world_size(group), group)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the group, in place; returns it."""
+        if self.size > 1:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=dim)
 
 
-def set_tp_group(group: dist.ProcessGroup | None) -> None:
-    """Use ``group`` for tensor parallelism (the world group when None). Call before building a model."""
+_SINGLE = TPGroup()
+_TP_GROUP: TPGroup | None = None
+
+
+def set_tp_group(group: TPGroup | None) -> None:
+    """Install ``group`` for the layers built from now on; None: derive it from torch.distributed."""
     global _TP_GROUP
     _TP_GROUP = group
 
 
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def get_tp_rank() -> int:
-    return dist.get_rank(_TP_GROUP) if _distributed() else 0
-
-
-def get_tp_size() -> int:
-    return dist.get_world_size(_TP_GROUP) if _distributed() else 1
-
-
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum ``x`` over the TP group, in place; returns it."""
-    if get_tp_size() > 1:
-        dist.all_reduce(x, group=_TP_GROUP)
-    return x
-
-
-def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
-    size = get_tp_size()
-    if size == 1:
-        return x
-    parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
-    return torch.cat(parts, dim=dim)
+def get_tp_group() -> TPGroup:
+    """The installed group, else the world group of an initialised torch.distributed, else rank 0 of 1."""
+    if _TP_GROUP is not None:
+        return _TP_GROUP
+    if dist.is_available() and dist.is_initialized():
+        return TPGroup.from_process_group()
+    return _SINGLE

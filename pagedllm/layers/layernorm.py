@@ -6,10 +6,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm.layers.cpu_kernels import cpu_fp32_kernels
+from pagedllm.layers.custom_op import CustomOp
+
+NormOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """``weight * x / sqrt(mean(x^2) + eps)``, normalising in float32 like Hugging Face.
 
     ``forward(x)`` returns the normalised x. ``forward(x, residual)`` first forms
@@ -29,25 +31,23 @@ class RMSNorm(nn.Module):
         # HF casts back to the input dtype *before* scaling by the weight; so do we, to match bitwise.
         return self.weight * x32.to(x.dtype)
 
-    def forward(self, x: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        kernels = cpu_fp32_kernels(x)
-        if kernels is not None and x.dim() == 2 and x.is_contiguous():
-            return self._fused(kernels, x, residual)
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormOutput:
         if residual is None:
             return self._norm(x)
         x = x + residual
         return self._norm(x), x
 
-    def _fused(self, kernels, x: torch.Tensor, residual: torch.Tensor | None):
-        """One C++ call on CPU float32: torch's rms_norm is a dozen small ops here. With a residual
-        it works in place (x and residual are the layer's own fresh tensors): residual += x, then
-        x = norm(residual)."""
+    def forward_cpu(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> NormOutput:
+        """One C++ call: torch's rms_norm is a dozen small ops here. With a residual it works in
+        place (x and residual are the layer's own fresh tensors): residual += x, then
+        x = norm(residual). The kernels take 2-D contiguous rows (per-head QK-norm does not)."""
+        if x.dim() != 2 or not x.is_contiguous():
+            return self.forward_native(x, residual)
         if residual is None:
             out = torch.empty_like(x)
-            kernels.rms_norm(out, x, self.weight, self.eps)
+            self.cpu_ops.rms_norm(out, x, self.weight, self.eps)
             return out
         if not residual.is_contiguous():
             residual = residual.contiguous()
-        kernels.fused_add_rms_norm_(x, residual, self.weight, self.eps)
+        self.cpu_ops.fused_add_rms_norm_(x, residual, self.weight, self.eps)
         return x, residual

@@ -11,10 +11,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
-from pagedllm.layers.cpu_kernels import cpu_fp32_kernels
-
+from pagedllm.layers.custom_op import CustomOp
 from pagedllm.model_arch import RopeConfig
 
 
@@ -85,8 +83,14 @@ def compute_inv_freq(rope: RopeConfig, dim: int, max_position: int) -> tuple[tor
     raise ValueError(f"rope type {rope.rope_type!r} is not supported; supported: default, linear, llama3, yarn")
 
 
-class RotaryEmbedding(nn.Module):
-    """Rotates the first ``rotary_dim`` features of every q/k head by its token's position."""
+class RotaryEmbedding(CustomOp):
+    """Rotates the first ``rotary_dim`` features of every q/k head by its token's position.
+
+    ``forward(positions [T], q [T, H * head_dim], k [T, KVH * head_dim])`` -> rotated q, k (same
+    shapes). It may rotate q and k in place (callers pass fresh views of the fused qkv output and
+    use only the results): on CPU in float32 one C++ call replaces ~14 small torch ops per layer,
+    whose dispatch costs more than their arithmetic at decode. Bitwise equal either way.
+    """
 
     def __init__(self, head_dim: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor,
                  attention_scaling: float, dtype: torch.dtype) -> None:
@@ -98,19 +102,18 @@ class RotaryEmbedding(nn.Module):
         cos, sin = freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
         self.register_buffer("cos_sin_cache", torch.cat([cos, sin], dim=-1).to(dtype), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor,
-                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T]; q [T, H * head_dim], k [T, KVH * head_dim] -> rotated q, k (same shapes).
+    def dispatch_key(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        return q  # positions are int64: q's dtype decides
 
-        May rotate q and k in place (callers pass fresh views of the fused qkv output and use
-        only the results): on CPU in float32 one C++ call replaces ~14 small torch ops per layer,
-        whose dispatch costs more than their arithmetic at decode. Bitwise equal either way."""
-        kernels = cpu_fp32_kernels(q)
-        if kernels is not None:
-            kernels.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.head_dim)
-            return q, k
+    def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
+                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    def forward_cpu(self, positions: torch.Tensor, q: torch.Tensor,
+                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cpu_ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.head_dim)
+        return q, k
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         heads = x.view(x.shape[0], -1, self.head_dim)

@@ -133,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         self.model = LlamaModel(config, self.attention_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.tie_weights(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] after the final norm."""

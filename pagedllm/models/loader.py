@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import LinearBase
-from pagedllm.layers.quantization import check_quantization
+from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
 from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, safetensors_files
@@ -23,40 +22,39 @@ def load_model(model_dir: str | None, arch: ModelArchConfig, *, load_format: str
                quantization: str | None = None) -> nn.Module:
     """The model for ``arch`` in eval mode without gradients, its weights from ``model_dir``
     ("auto"/"safetensors") or random ("dummy", seeded by ``seed``; no files needed).
-    ``quantization="int8"``: the linear layers' weights become int8 (``layers/quantization.py``)."""
-    check_quantization(quantization)
+    ``quantization`` names the weight format (``layers/quantization``; None: float), e.g. "int8"."""
+    quant_config = get_quantization_config(quantization)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     files = None if load_format == "dummy" else _checkpoint_files(model_dir)
-    model = build_model(arch, dtype, device)
+    model = build_model(arch, dtype, device, quant_config)
     if files is None:
         init_dummy_weights(model, seed)
     else:
         _load_checkpoint(model, files, model_dir)
-    process_weights_after_loading(model, quantization)
+    process_weights_after_loading(model)
     return model.eval().requires_grad_(False)
 
 
-def process_weights_after_loading(model: nn.Module, quantization: str | None = None) -> None:
-    """Let each layer re-lay out its loaded weights for the device (e.g. column-major on CPU).
-    Only the linear layers quantize: the LM head (tied to the embedding or not) stays float, its
-    logits are what sampling reads."""
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Let each layer's ``quant_method`` convert its loaded weights once (quantize, pack for the
+    CPU GEMM, reorder for oneDNN): every linear layer and the LM head have one."""
     for module in model.modules():
-        if isinstance(module, LinearBase):
-            module.process_weights_after_loading(quantization)
-        elif (hook := getattr(module, "process_weights_after_loading", None)) is not None:
-            hook()
+        if (method := getattr(module, "quant_method", None)) is not None:
+            method.process_weights_after_loading(module)
 
 
-def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
-    """Allocate the parameters directly on ``device`` in ``dtype`` (uninitialised)."""
+def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
+                quant_config: QuantizationConfig | None = None) -> nn.Module:
+    """Allocate the parameters directly on ``device`` in ``dtype`` (uninitialised), each linear
+    layer's in the format of ``quant_config`` (None: float)."""
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating-point type (float32, bfloat16, float16), got {dtype}")
     model_cls = resolve_model_cls(arch.architecture)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
+        with torch.device(device), building_with(quant_config or get_quantization_config(None)):
             return model_cls(arch)
     finally:
         torch.set_default_dtype(previous)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pagedllm.layers.linear import ShardId, copy_checked
+from pagedllm.layers.sharding import ShardId, copy_checked
 
 # Checkpoint entries that carry no weights we need (buffers some exporters save).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

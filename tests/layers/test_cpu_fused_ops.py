@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers.attention.backends import base
+from pagedllm.layers.attention.backends.torch_sdpa import KVCacheWrite
 from pagedllm.layers.cpu_kernels import load_cpu_kernels
 
 kernels = load_cpu_kernels()
@@ -46,13 +46,17 @@ def test_write_kv_cache_matches_index_copy():
     assert not skipped.any()
 
 
-def test_write_kv_uses_the_kernel_only_for_float32_cpu(monkeypatch):
-    calls = []
-    monkeypatch.setattr(base, "cpu_fp32_kernels", lambda x: calls.append(x.dtype) or None)
+def test_write_kv_uses_the_kernel_only_for_float32_cpu():
+    write = KVCacheWrite()
     cache = torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16)
     k = torch.randn(2, 8, dtype=torch.bfloat16)
-    base.write_kv(cache, k, k, torch.tensor([0, 5]))
-    assert calls == [torch.bfloat16] and torch.equal(cache[0].view(-1, 8)[5], k[1])
+    write(cache, k, k, torch.tensor([0, 5]))
+    assert write.forward_method == write.forward_native and torch.equal(cache[0].view(-1, 8)[5], k[1])
+    write32 = KVCacheWrite()
+    cache = torch.zeros(2, 2, 4, 1, 8)
+    k = torch.randn(2, 8)
+    write32(cache, k, k, torch.tensor([0, 5]))
+    assert write32.forward_method == write32.forward_cpu and torch.equal(cache[0].view(-1, 8)[5], k[1])
 
 
 def test_rms_norm_kernels_match_torch():

@@ -6,8 +6,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.config import EngineArgs
-from pagedllm.layers import quantization as quant
-from pagedllm.layers.linear import ReplicatedLinear
+from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.quantization import get_quantization_config
+from pagedllm.layers.quantization import int8 as quant
 
 # Rows 1-9 cover every tile height (1-6) and a tile plus a remainder; 64 a larger decode batch.
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 64]
@@ -83,13 +84,14 @@ def test_quantization_error_bound():
 
 
 def test_linear_layer_quantizes_and_matches(native):
-    layer = ReplicatedLinear(64, 48, bias=True)
+    layer = ColumnParallelLinear(64, 48, bias=True, quant_config=quant.Int8Config())
     torch.manual_seed(1)
     with torch.no_grad():
         layer.weight.normal_()
         layer.bias.normal_()
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
-    layer.process_weights_after_loading("int8")
+    layer.quant_method.process_weights_after_loading(layer)
+    assert isinstance(layer.quant_method, quant.Int8LinearMethod)
     assert layer.weight.dtype == torch.int8 and layer.weight.shape == (3, 64, 16)
     x = torch.randn(3, 64)
     q, scale = quant.quantize_per_channel(w)
@@ -99,16 +101,19 @@ def test_linear_layer_quantizes_and_matches(native):
 
 
 def test_layer_the_kernel_cannot_take_stays_float(native):
-    layer = ReplicatedLinear(64, 40, bias=False)  # 40 outputs: not a multiple of 16
+    layer = ColumnParallelLinear(64, 40, bias=False, quant_config=quant.Int8Config())  # 40: not a multiple of 16
     with torch.no_grad():
         layer.weight.normal_()
-    layer.process_weights_after_loading("int8")
+    w = layer.weight.detach().clone()
+    layer.quant_method.process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.float32 and layer.weight_scale is None
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_method_is_an_error():
     with pytest.raises(ValueError, match="quantization must be"):
-        ReplicatedLinear(16, 16, bias=False).process_weights_after_loading("int4")
+        get_quantization_config("int4")
 
 
 @pytest.mark.parametrize("kwargs,match", [

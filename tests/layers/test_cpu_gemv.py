@@ -10,7 +10,8 @@ import torch.utils.cpp_extension
 
 from pagedllm.layers import cpu_gemm_kernels as kernels
 from pagedllm.layers import cpu_kernels
-from pagedllm.layers.linear import ReplicatedLinear, cpu_gemm_weight, linear
+from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.quantization.unquantized import PACKED, choose_layout
 
 # Row counts cover every tile height (1-6), several tiles, and the x-block split (K=1536 -> 60 rows).
 ROWS = [0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 130]
@@ -93,23 +94,31 @@ def test_bad_inputs_are_errors(native):
         native(torch.randn(2, 8), packed, torch.randn(15))
 
 
+def processed_layer(w: torch.Tensor) -> ColumnParallelLinear:
+    """A linear layer holding ``w`` [out, in], its weights processed as the loader does."""
+    layer = ColumnParallelLinear(w.shape[1], w.shape[0])
+    layer.weight.data.copy_(w)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
 def test_linear_layer_uses_the_packed_layout(native):
-    layer = ReplicatedLinear(64, 96, bias=True)
+    layer = ColumnParallelLinear(64, 96, bias=True)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.normal_(layer.bias)
     dense = layer.weight.detach().clone()
-    layer.process_weights_after_loading()
-    assert layer.weight.shape == (6, 64, 16)
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.shape == (6, 64, 16) and layer.quant_method.layout is PACKED
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), rtol=1e-4, atol=1e-4)
 
 
 def test_odd_out_features_keep_the_old_layout(native):
-    w = torch.nn.Parameter(torch.randn(20, 8))  # 20 % 16 != 0: oneDNN / column-major
-    packed = cpu_gemm_weight(w)
-    assert packed.dim() == 2
+    w = torch.randn(20, 8)  # 20 % 16 != 0: oneDNN / column-major
+    layer = processed_layer(w)
+    assert layer.weight.dim() == 2
     x = torch.randn(2, 8)
-    torch.testing.assert_close(linear(x, packed), F.linear(x, w.detach()), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture
@@ -124,7 +133,8 @@ def fresh_loader():
 def test_env_var_turns_the_kernel_off(fresh_loader, monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
     assert kernels.load_cpu_gemm() is None
-    assert cpu_gemm_weight(torch.nn.Parameter(torch.randn(32, 8))).dim() == 2
+    assert choose_layout(torch.randn(32, 8)) is not PACKED
+    assert processed_layer(torch.randn(32, 8)).weight.dim() == 2
 
 
 def test_failed_build_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):
@@ -137,5 +147,4 @@ def test_failed_build_falls_back_with_a_warning(fresh_loader, monkeypatch, caplo
     assert "no c++ compiler" in caplog.text
     w = torch.randn(32, 8)
     x = torch.randn(2, 8)
-    torch.testing.assert_close(linear(x, cpu_gemm_weight(torch.nn.Parameter(w))), F.linear(x, w),
-                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(processed_layer(w)(x), F.linear(x, w), rtol=1e-4, atol=1e-4)

@@ -82,12 +82,12 @@ def test_tied_checkpoint_may_carry_lm_head(tmp_path):
                         lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
     for p in (src, path):
         model = load(p, config)
-        # Same values; on CPU the head holds its own GEMM-layout copy (see cpu_gemm_weight).
+        # Same values; on CPU the head holds its own GEMM-layout copy (see layers/quantization/unquantized.py).
         assert torch.equal(_dense(model.lm_head.weight), model.model.embed_tokens.weight)
 
 
 def _dense(w):
-    """The [out, in] values of a weight in any CPU GEMM layout (see cpu_gemm_weight)."""
+    """The [out, in] values of a weight in any CPU GEMM layout (see layers/quantization/unquantized.py)."""
     if w.dim() == 3:
         return unpack_weight(w)
     return w.to_dense() if w.layout == torch._mkldnn else w
@@ -176,3 +176,17 @@ def test_bfloat16(llama_dir, config):
 def test_non_float_dtype_rejected(config):
     with pytest.raises(ValueError, match="floating-point"):
         load_model(None, config, load_format="dummy", dtype=torch.int8, device=CPU)
+
+
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "forward_cpu"), (torch.bfloat16, "forward_native")])
+def test_model_ops_take_the_cpu_kernels_in_float32(llama_dir, config, dtype, path):
+    from pagedllm.layers.cpu_kernels import load_cpu_kernels
+    from pagedllm.layers.custom_op import CustomOp
+
+    if load_cpu_kernels() is None:
+        pytest.skip("the C++ kernels could not be built here")
+    model = load(llama_dir, config, dtype=dtype)
+    run_prompt(model, torch.arange(12))
+    ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+    assert len(ops) == 3 * config.num_hidden_layers + 2  # two norms and SiLU a layer, the final norm, RoPE
+    assert all(op.forward_method == getattr(op, path) for op in ops), [type(op).__name__ for op in ops]

@@ -8,7 +8,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
-from pagedllm.layers.cpu_kernels import cpu_fp32_kernels
 
 if TYPE_CHECKING:
     from pagedllm.layers.attention.layer import Attention
@@ -30,12 +29,8 @@ class AttentionBackend(ABC):
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows into the paged cache ``[2, num_blocks, block_size, KVH, D]``."""
-    kernels = cpu_fp32_kernels(kv_cache)
-    if kernels is not None and k.dtype == torch.float32:
-        # One call instead of ~8 ops; rows are [T, KVH * D] (views of the fused qkv output).
-        kernels.write_kv_cache(k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1), kv_cache, slot_mapping)
-        return
+    """Scatter new K/V rows into the paged cache ``[2, num_blocks, block_size, KVH, D]``: the torch
+    reference any backend may use (the torch backend's CPU kernel replaces it there)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)

@@ -16,8 +16,9 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backends.base import AttentionBackend, write_kv
-from pagedllm.layers.cpu_kernels import load_cpu_kernels
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
+from pagedllm.layers.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.custom_op import CustomOp
 
 
 @dataclass
@@ -95,6 +96,19 @@ def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch
     return block_table[:, pos // block_size] * block_size + pos % block_size
 
 
+class KVCacheWrite(CustomOp):
+    """``forward(kv_cache, k, v, slot_mapping)``: scatter new K/V rows into the paged cache; on CPU
+    in float32 one C++ call instead of ~8 ops (rows are [T, KVH * D] views of the fused qkv output)."""
+
+    def forward_native(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       slot_mapping: torch.Tensor) -> None:
+        write_kv(kv_cache, k, v, slot_mapping)
+
+    def forward_cpu(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+        self.cpu_ops.write_kv_cache(k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1), kv_cache, slot_mapping)
+
+
 # With the CPU kernel, queries up to this long (decodes, speculative verification, short chunks)
 # run row by row on the paged decode path; longer ones as one SDPA call each over a gathered K/V.
 MAX_ROWWISE_QUERY_LEN = 17
@@ -105,6 +119,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def __init__(self, use_cpu_kernels: bool = True) -> None:
         self.use_cpu_kernels = use_cpu_kernels
+        # One backend serves one model's caches (one dtype): the write picks its path on the first.
+        self.write_kv = KVCacheWrite() if use_cpu_kernels else KVCacheWrite().force_native()
 
     def _kernels(self, device: torch.device):
         return load_cpu_kernels() if self.use_cpu_kernels and device.type == "cpu" else None
@@ -137,7 +153,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
         kv_cache = layer.kv_cache
-        write_kv(kv_cache, k, v, metadata.slot_mapping)
+        self.write_kv(kv_cache, k, v, metadata.slot_mapping)
         num_heads, num_kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view

@@ -1,9 +1,10 @@
-"""Weight-only int8 quantization for CPU decode (``--quantization int8``).
+"""Weight-only int8 for CPU decode (``--quantization int8``).
 
 Batch-1 decode streams every weight once per step and the fp32 packed GEMM already runs at the
 memory bandwidth, so the only way to go faster is fewer bytes: int8 weights with one float32 scale
 per output channel (symmetric, W ~ Q * scale) are a quarter of the fp32 bytes. Activations stay
-float32; the kernel (``csrc/cpu_gemm_int8.cpp``) widens the weights to fp32 in registers.
+float32; the kernel (``csrc/cpu_gemm_int8.cpp``) widens the weights to fp32 in registers. The
+checkpoint is float: the method quantizes after loading.
 
 Measured on the SmolLM-135M-shaped dummy model (2-core Zen 4, one process, interleaved): a decode
 step at batch 1 takes 10.9 ms instead of 20.4 (1.9x), at 16 rows 1.1x, at 64 rows 1.03x; the
@@ -18,15 +19,20 @@ on the tiny test model (one more greedy divergence in 6 prompts x 16 tokens), so
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 import torch
+from torch import nn
 
 from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import build_cpu_library, kernels_enabled
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
-QUANTIZATION_METHODS = ("int8",)
+logger = logging.getLogger(__name__)
+
 # Output rows per interleaved group of the packed layout (4 panels of 16).
 _GROUP = 4 * PANEL
 # Symmetric range: -127..127 (not -128) so that q and -q are both representable.
@@ -92,15 +98,52 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([body, tail])
 
 
-def packed_linear_int8(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ (Q * scale)^T + b for a ``quantize_and_pack`` weight: [..., N]."""
-    kernel = load_int8_gemm()
-    assert kernel is not None, "int8 weights exist only when the kernel built"
-    return kernel(x, packed, scale, bias)
+def _not_quantized_yet(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
+                       bias: torch.Tensor | None) -> torch.Tensor:
+    raise RuntimeError("an int8 layer runs only after its quant_method.process_weights_after_loading")
 
 
-def check_quantization(method: str | None) -> None:
-    """ValueError for an unknown method (None means no quantization)."""
-    if method is not None and method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {method!r}")
+class Int8LinearMethod(LinearMethodBase):
+    """Loads the float checkpoint weight, then stores it as packed int8 with a per-output-channel
+    scale (buffer ``weight_scale``). A weight the kernel cannot take (not CPU float32, out % 16,
+    no kernel) keeps a float layout: the layer's method becomes the unquantized one, with a warning."""
+
+    def __init__(self) -> None:
+        self._kernel: PackedLinearInt8 = _not_quantized_yet  # the int8 GEMM once the weight is quantized
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+        create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
+        layer.register_buffer("weight_scale", None, persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self._kernel is not _not_quantized_yet:
+            return
+        w = layer.weight.data
+        if not can_quantize(w):
+            logger.warning("int8 quantization skipped for a %s weight of shape %s (needs the CPU kernels, "
+                           "float32 and out_features %% 16 == 0); it stays in %s", w.device.type,
+                           tuple(w.shape), w.dtype)
+            layer.quant_method = UnquantizedLinearMethod()
+            layer.quant_method.process_weights_after_loading(layer)
+            return
+        packed, layer.weight_scale = quantize_and_pack(w)
+        layer.weight = nn.Parameter(packed, requires_grad=False)
+        kernel = load_int8_gemm()
+        assert kernel is not None, "can_quantize checked that the kernel built"
+        self._kernel = kernel
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._kernel(x, layer.weight, layer.weight_scale, bias)
+
+
+class Int8Config(QuantizationConfig):
+    """Weight-only int8 for the transformer's linears; the LM head stays float."""
+
+    name = "int8"
+
+    def get_linear_method(self) -> LinearMethodBase:
+        return Int8LinearMethod()
+
+    def get_lm_head_method(self) -> LinearMethodBase:
+        return UnquantizedLinearMethod()

@@ -1,0 +1,51 @@
+"""Weight formats by name, and the one a model is being built with.
+
+``QUANTIZATION_CONFIGS`` maps a ``--quantization`` name to its :class:`QuantizationConfig`; its
+names equal the torch-free list the engine config validates against (a test checks). The model
+loader builds a model inside :func:`building_with`; each linear layer and LM head asks
+:func:`current_quant_config` at construction for its method, so model files never see the format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedllm.layers.quantization.int8 import Int8Config
+from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
+
+QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config}
+QUANTIZATION_METHODS = tuple(QUANTIZATION_CONFIGS)
+
+_UNQUANTIZED = UnquantizedConfig()
+_current: QuantizationConfig = _UNQUANTIZED
+
+
+def get_quantization_config(name: str | None) -> QuantizationConfig:
+    """The config for ``name`` (None: unquantized); ValueError for an unknown name."""
+    if name is None:
+        return _UNQUANTIZED
+    if name not in QUANTIZATION_CONFIGS:
+        raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
+    return QUANTIZATION_CONFIGS[name]()
+
+
+def current_quant_config() -> QuantizationConfig:
+    """The format of the model being built (unquantized outside :func:`building_with`)."""
+    return _current
+
+
+@contextmanager
+def building_with(config: QuantizationConfig) -> Iterator[QuantizationConfig]:
+    """Layers constructed inside take their methods from ``config``."""
+    global _current
+    previous, _current = _current, config
+    try:
+        yield config
+    finally:
+        _current = previous
+
+
+__all__ = ["QUANTIZATION_CONFIGS", "QUANTIZATION_METHODS", "LinearMethodBase", "QuantizationConfig",
+           "UnquantizedLinearMethod", "building_with", "current_quant_config", "get_quantization_config"]

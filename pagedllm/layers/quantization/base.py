@@ -1,0 +1,68 @@
+"""The two interfaces a weight format implements (vLLM's QuantizationConfig / LinearMethodBase).
+
+A :class:`QuantizationConfig` is chosen by name (``--quantization``) and hands every linear layer
+and LM head its own :class:`LinearMethodBase` at construction. The method owns the layer's weights
+from end to end: ``create_weights`` registers the parameters the checkpoint fills (each with the
+layer's ``weight_loader``), ``process_weights_after_loading`` converts them once for the device
+(quantize, pack, reorder), and ``apply`` runs the matching kernel. So the layer itself only knows
+its shard, and a new format (AWQ, GPTQ, FP8, GGUF) is one more module in this package.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+WeightLoader = Callable[..., None]
+
+
+class LinearMethodBase(ABC):
+    """How one layer's weights are stored and multiplied. One instance per layer: it may keep
+    what it chose for that layer's weights (a layout, a kernel) so ``apply`` tests nothing."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+        """Register on ``layer`` the parameters for this rank's shard: ``input_size`` inputs and
+        ``output_sizes`` outputs (one entry per fused projection, their sum is the layer's width)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Convert the loaded weights for the device, once (default: keep them as they are)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [..., in] @ W^T + bias`` -> ``[..., out]`` with this method's weights."""
+
+
+def create_dense_weight(layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype,
+                        weight_loader: WeightLoader) -> None:
+    """``layer.weight`` [sum(output_sizes), input_size] in the checkpoint layout, split along
+    dim 0 by column-parallel layers and dim 1 by row-parallel ones."""
+    weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+    set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=weight_loader)
+    layer.register_parameter("weight", weight)
+
+
+def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
+    """Attach loading metadata (``weight_loader``, ``output_dim``, ``input_dim``) to a parameter."""
+    for key, value in attrs.items():
+        setattr(param, key, value)
+
+
+class QuantizationConfig(ABC):
+    """A weight format: which method each linear layer and LM head gets."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def get_linear_method(self) -> LinearMethodBase:
+        """A fresh method for one of the transformer's linear layers."""
+
+    @abstractmethod
+    def get_lm_head_method(self) -> LinearMethodBase:
+        """A fresh method for the LM head (formats so far keep it unquantized: its logits are
+        what sampling reads)."""
