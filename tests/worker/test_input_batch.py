@@ -12,10 +12,16 @@ from pagedllm.core.sched_output import CachedRequestData, NewRequestData, Schedu
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.flat_batch import flat_batch_arrays
-from pagedllm.worker.input_batch import InputBatch, update_states
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.request_state import update_states
 from pagedllm.worker.staging import HostStager
 
 BLOCK = 4
+VOCAB = 1000
+
+
+def _input_batch() -> InputBatch:
+    return InputBatch(BLOCK, VOCAB, HostStager("cpu"))
 
 
 class FakeScheduler:
@@ -96,7 +102,7 @@ def _reference(batch_rows: list[str], live: dict[str, dict], sched: SchedulerOut
 
 @pytest.mark.parametrize("seed", range(4))
 def test_prepare_matches_list_reference_over_random_diffs(seed):
-    fake, states, batch = FakeScheduler(seed), {}, InputBatch()
+    fake, states, batch = FakeScheduler(seed), {}, _input_batch()
     for _ in range(60):
         sched = fake.step()
         if sched.is_empty:
@@ -105,7 +111,7 @@ def test_prepare_matches_list_reference_over_random_diffs(seed):
         batch.sync(states, sched)
         assert set(batch.req_ids) == set(sched.num_scheduled_tokens)  # rows = this step's requests
         assert all(batch.row_of[r] == i for i, r in enumerate(batch.req_ids))
-        inputs = batch.prepare(sched, BLOCK, HostStager("cpu"))
+        inputs = batch.prepare(sched)
         ref = _reference(batch.req_ids, fake.live, sched)
         width = ref["block_table"].shape[1]
         assert inputs.input_ids.tolist() == ref["input_ids"].tolist()
@@ -126,7 +132,7 @@ def test_prepare_matches_list_reference_over_random_diffs(seed):
 
 
 def test_rows_leave_and_come_back_with_their_state():
-    states, batch = {}, InputBatch()
+    states, batch = {}, _input_batch()
     params = SamplingParams(temperature=0.0)
     new = [NewRequestData(f"r{i}", [i] * (300 if i == 2 else 3), params, list(range(10 * i + 1, 10 * i + 3)), 0)
            for i in range(3)]
@@ -154,7 +160,7 @@ def test_rows_leave_and_come_back_with_their_state():
 def test_an_id_reused_by_a_new_request_gets_a_fresh_row():
     """A request finished (or aborted) and a new one under the same id in the next step: the
     row must come from the new state, not keep the old tokens and freed blocks."""
-    states, batch = {}, InputBatch()
+    states, batch = {}, _input_batch()
     params = SamplingParams(temperature=0.0)
     sched = SchedulerOutput([NewRequestData("x", [1, 2, 3], params, [5], 0)], CachedRequestData(), {"x": 3}, 3, set())
     update_states(states, sched, lambda seed: None)
@@ -167,7 +173,7 @@ def test_an_id_reused_by_a_new_request_gets_a_fresh_row():
     batch.sync(states, sched)
     assert batch.tokens("x").tolist() == [7, 7] and batch.states[0] is states["x"]
     assert batch.block_table[0, :1].tolist() == [8] and batch.version > version
-    inputs = batch.prepare(sched, BLOCK, HostStager("cpu"))
+    inputs = batch.prepare(sched)
     assert inputs.input_ids.tolist() == [7, 7] and inputs.attn.slot_mapping.tolist() == [32, 33]
 
 
