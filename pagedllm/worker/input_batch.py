@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.sampling.metadata import SamplingMetadata
@@ -81,7 +82,9 @@ class InputBatch:
 
     def append_tokens(self, req_id: str, tokens: list[int]) -> None:
         """Record sampled tokens (the caller extends the state's ``output_token_ids``)."""
-        row = self.row_of[req_id]
+        self._append(self.row_of[req_id], tokens)
+
+    def _append(self, row: int, tokens: list[int]) -> None:
         end = self.num_tokens[row] + len(tokens)
         self._fit(row + 1, end)
         self.token_ids[row, self.num_tokens[row]:end] = tokens
@@ -141,19 +144,14 @@ class InputBatch:
         counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in self.states), dtype=np.int64, count=n)
         num_drafts = self._write_drafts(sched.scheduled_spec_decode_tokens)
         starts = self.num_computed[:n].copy()
-        table = self.block_table[:n, :max(1, int(self.num_blocks[:n].max()))]
-        arrays, req_of_token = index_arrays(counts, starts, table, self.block_size)
+        arrays, req_of_token = index_arrays(counts, starts, self._table(), self.block_size)
         arrays["input_ids"] = self.token_ids[req_of_token, arrays["positions"]]
         # Rows that reach the end of their tokens sample: the last real token's row + each proposal's.
         sample = np.flatnonzero(starts + counts - num_drafts == self.num_tokens[:n])
-        rows_per_sample = num_drafts[sample] + 1
-        sample_rows = np.repeat(sample, rows_per_sample)
-        first_of_request = np.repeat(np.cumsum(rows_per_sample) - rows_per_sample, rows_per_sample)
-        arrays["logits_indices"] = (np.repeat(arrays["query_start_loc"][sample + 1] - rows_per_sample,
-                                              rows_per_sample) + np.arange(len(sample_rows)) - first_of_request)
-        has_drafts = bool(num_drafts[sample].any())
+        sample_rows, arrays["logits_indices"], is_draft = _logits_rows(arrays["query_start_loc"], sample,
+                                                                       num_drafts[sample])
+        has_drafts = bool(is_draft.any())
         if has_drafts:  # a proposal is the input token at every logits row but its request's first
-            is_draft = np.arange(len(sample_rows)) != first_of_request
             arrays["draft_token_ids"] = arrays["input_ids"][arrays["logits_indices"][is_draft]]
         staged = self.stager.stage(arrays)
         input_ids, positions, attn = batch_tensors(arrays, staged, self.block_size)
@@ -167,6 +165,11 @@ class InputBatch:
         if has_drafts:
             batch.drafts = self._drafts(sample, num_drafts[sample].tolist(), staged["draft_token_ids"])
         return batch
+
+    def _table(self) -> np.ndarray:
+        """The rows' block tables, as wide as the widest (0 = the null block pads)."""
+        n = len(self.states)
+        return self.block_table[:n, :max(1, int(self.num_blocks[:n].max()))]
 
     def _write_drafts(self, spec_tokens: dict[str, list[int]]) -> np.ndarray:
         """Write each request's proposals past its tokens (where this step's KV goes); [rows] counts."""
@@ -207,17 +210,17 @@ class InputBatch:
         if any(p is not None for p in probs):
             # A request without stored distributions (greedy, which never reads them) gets one-hot
             # rows at its proposals: exact for any proposer, should one ever be verified randomly.
-            rows = [p[:len(d)] if p is not None else torch.nn.functional.one_hot(d, self.vocab_size).float()
+            rows = [p[:len(d)] if p is not None else F.one_hot(d, self.vocab_size).float()
                     for p, d in zip(probs, draft_ids.split(num_drafts))]
             draft_probs = torch.cat(rows)
         return DraftBatch(num_drafts, draft_ids, draft_probs)
 
     # ------------------------------------------------------------------ after sampling
-    def record_sampled(self, req_ids: list[str], token_ids: list[list[int]]) -> None:
+    def record_sampled(self, batch: BatchInputs, token_ids: list[list[int]]) -> None:
         """Append each sampling request's emitted tokens to its state and its row."""
-        for req_id, tokens in zip(req_ids, token_ids):
-            self.states[self.row_of[req_id]].output_token_ids.extend(tokens)
-            self.append_tokens(req_id, tokens)
+        for row, tokens in zip(batch.sample_batch_rows.tolist(), token_ids):
+            self.states[row].output_token_ids.extend(tokens)
+            self._append(row, tokens)
 
     def proposer_inputs(self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], k: int,
                         max_model_len: int) -> ProposerInputs:
@@ -228,14 +231,28 @@ class InputBatch:
                  for s in states]
         return ProposerInputs(
             req_ids=batch.req_ids, token_ids=self.token_ids[:n], num_tokens=self.num_tokens[:n], starts=batch.starts,
-            num_scheduled=batch.num_scheduled, block_table=self.block_table[:n, :max(1, int(self.num_blocks[:n].max()))],
+            num_scheduled=batch.num_scheduled, block_table=self._table(),
             block_size=self.block_size, hidden_states=hidden, sample_rows=rows, emitted=emitted,
             max_proposals=np.asarray(rooms, dtype=np.int64), sampling=self.row_metadata() if states else None)
 
-    def set_proposals(self, req_ids: list[str], proposals: Proposals) -> None:
+    def set_proposals(self, batch: BatchInputs, proposals: Proposals) -> None:
         """Keep the distributions of the sampling requests' new proposals (None: deterministic)."""
-        for req_id in req_ids:
-            self.states[self.row_of[req_id]].draft_probs = proposals.probs.get(req_id)
+        for row in batch.sample_batch_rows.tolist():
+            state = self.states[row]
+            state.draft_probs = proposals.probs.get(state.req_id)
+
+
+def _logits_rows(query_start_loc: np.ndarray, sample: np.ndarray, num_drafts: np.ndarray,
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the sampling requests ``sample`` (batch rows) with ``num_drafts`` proposals each: per
+    logits row its batch row, its token row (a request's last 1 + k tokens) and whether it is a
+    proposal's (every row of a request but its first)."""
+    rows_per_sample = num_drafts + 1
+    sample_rows = np.repeat(sample, rows_per_sample)
+    first_of_request = np.repeat(np.cumsum(rows_per_sample) - rows_per_sample, rows_per_sample)
+    position = np.arange(len(sample_rows)) - first_of_request  # within its request's rows
+    token_rows = np.repeat(query_start_loc[sample + 1] - rows_per_sample, rows_per_sample) + position
+    return sample_rows, token_rows, position > 0
 
 
 def _grown(a: np.ndarray, rows: int, width: int) -> np.ndarray:

@@ -8,6 +8,7 @@ if speculating, guesses the next tokens from explicit inputs.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -33,6 +34,9 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 class ModelRunner:
+    """Owns the target model (and a proposer's), the KV caches and the per-request worker state;
+    ``execute_model`` runs one step."""
+
     def __init__(self, config: EngineConfig, device: torch.device) -> None:
         self.config = config
         self.device = device
@@ -106,14 +110,14 @@ class ModelRunner:
         return self.model(batch.input_ids, batch.positions, self.attn_backend.build_metadata(batch.attn))
 
     def _sample(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
-                grammar_bitmask=None) -> list[list[int]]:
+                grammar_bitmask: Any = None) -> list[list[int]]:
         """Sample the step's logits rows; record and report what each request emits."""
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if grammar_bitmask is not None:  # constrained rows only (never speculated)
             apply_grammar_bitmask(logits, grammar_bitmask, batch.logits_req_ids)
         result = self.sampler.sample(logits, batch.sampling, batch.drafts)
         emitted = result.token_ids
-        self.input_batch.record_sampled(batch.sample_req_ids, emitted)
+        self.input_batch.record_sampled(batch, emitted)
         output.sampled_token_ids.update(zip(batch.sample_req_ids, emitted))
         if result.logprobs_tensors is not None:
             states = [self.requests[r] for r in batch.sample_req_ids]
@@ -127,5 +131,5 @@ class ModelRunner:
         inputs = self.input_batch.proposer_inputs(batch, hidden, emitted, spec.num_speculative_tokens,
                                                   self.config.model_config.max_model_len)
         proposals = self.proposer.propose(inputs)
-        self.input_batch.set_proposals(batch.sample_req_ids, proposals)
+        self.input_batch.set_proposals(batch, proposals)
         output.spec_token_ids = proposals.token_ids

@@ -100,6 +100,23 @@ def _reference(batch_rows: list[str], live: dict[str, dict], sched: SchedulerOut
     return arrays
 
 
+def _check_sampling_inputs(inputs, sched: SchedulerOutput, states) -> None:
+    """The typed step carries the metadata of its logits rows and the proposals they verify."""
+    drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in inputs.sample_req_ids]
+    if any(drafts):
+        assert inputs.drafts.num_draft_tokens == [len(d) for d in drafts]
+        assert inputs.drafts.draft_token_ids.tolist() == [t for d in drafts for t in d]
+        assert inputs.drafts.draft_probs is None  # nobody stored distributions
+    else:
+        assert inputs.drafts is None
+    assert inputs.rows_per_request == [len(d) + 1 for d in drafts]
+    assert (inputs.sampling is None) == (not inputs.sample_req_ids)
+    if inputs.sampling is not None:
+        rows = [inputs.req_ids[r] for r in inputs.sample_rows.tolist()]
+        assert rows == inputs.logits_req_ids and inputs.sampling.num_rows == len(rows)
+        assert all(got is states[r].output_token_ids for got, r in zip(inputs.sampling.output_token_ids, rows))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_prepare_matches_list_reference_over_random_diffs(seed):
     fake, states, batch = FakeScheduler(seed), {}, _input_batch()
@@ -122,6 +139,7 @@ def test_prepare_matches_list_reference_over_random_diffs(seed):
         assert inputs.attn.block_table[:, :width].tolist() == ref["block_table"].tolist()
         assert not inputs.attn.block_table[:, width:].any()  # padding is the null block
         assert inputs.logits_indices.tolist() == ref["logits_indices"].tolist()
+        _check_sampling_inputs(inputs, sched, states)
         sampled = {r: [random.randrange(1000)] for r in inputs.sample_req_ids}
         for req_id, tokens in sampled.items():
             states[req_id].output_token_ids.extend(tokens)
@@ -201,3 +219,30 @@ def test_sampling_metadata_select_matches_building_the_rows_directly():
             assert torch.equal(a, b) if b is not None else (a is None or bool((a == neutral).all())), name
     outputs[2].append(5)  # the metadata holds the caller's lists: new tokens show without a rebuild
     assert md.output_token_ids[2] == [8, 8, 5] and md.select([2]).output_token_ids == [[8, 8, 5]]
+
+
+def test_step_metadata_is_reused_while_the_rows_stay_the_same():
+    states, batch = {}, _input_batch()
+    params = SamplingParams(temperature=0.7, seed=1)
+    new = [NewRequestData(f"r{i}", [1, 2, 3], params, [i + 1], 0) for i in range(2)]
+    sched = SchedulerOutput(new, CachedRequestData(), {"r0": 3, "r1": 3}, 6, set())
+    update_states(states, sched, lambda seed: torch.Generator().manual_seed(seed))
+    batch.sync(states, sched)
+    first = batch.prepare(sched).sampling
+    assert first is batch.row_metadata() and first.generators == {0: states["r0"].generator, 1: states["r1"].generator}
+    batch.record_sampled(batch.prepare(sched), [[4], [5]])
+    cached = CachedRequestData()
+    for req_id in ("r0", "r1"):
+        cached.add(req_id, False, [], 3)
+    sched = SchedulerOutput([], cached, {"r0": 1, "r1": 1}, 2, set())
+    update_states(states, sched, lambda seed: None)
+    batch.sync(states, sched)
+    assert batch.prepare(sched).sampling is first  # same rows: no rebuild, and it sees the new tokens
+    assert first.output_token_ids == [[4], [5]]
+    cached = CachedRequestData()
+    cached.add("r1", False, [], 3)
+    sched = SchedulerOutput([], cached, {"r1": 1}, 1, {"r0"})  # r0 finished: the rows change
+    update_states(states, sched, lambda seed: None)
+    batch.sync(states, sched)
+    again = batch.prepare(sched).sampling
+    assert again is not first and again.output_token_ids == [[5]] and again.generators == {0: states["r1"].generator}
