@@ -106,9 +106,11 @@ class SamplingMetadata:
                 index = torch.tensor(rows, dtype=torch.int64, device=t.device)
             return t.index_select(0, index)
 
-        greedy = [self.greedy[r] for r in rows]
         all_greedy, all_random = self.all_greedy or not rows, self.all_random or not rows
-        if not (all_greedy or all_random):  # a mixed batch: the chosen rows may all be one kind
+        if all_greedy or all_random:
+            greedy = [all_greedy] * len(rows)
+        else:  # a mixed batch: the chosen rows may all be one kind
+            greedy = [self.greedy[r] for r in rows]
             all_greedy, all_random = all(greedy), not any(greedy)
         return SamplingMetadata(
             temperature=None if all_greedy else pick(self.temperature),

@@ -207,7 +207,7 @@ def test_sampling_metadata_select_matches_building_the_rows_directly():
                                             [outputs[r] for r in rows], 16, "cpu",
                                             {i: gens[r] for i, r in enumerate(rows) if r in gens})
         got = md.select(rows)
-        assert (got.all_greedy, got.all_random) == (want.all_greedy, want.all_random)
+        assert (got.all_greedy, got.all_random, got.greedy) == (want.all_greedy, want.all_random, want.greedy)
         assert got.output_token_ids == want.output_token_ids and got.logit_bias == want.logit_bias
         assert got.min_tokens == want.min_tokens and got.generators == want.generators
         for name in ("temperature", "presence_penalties", "frequency_penalties", "repetition_penalties"):
