@@ -170,17 +170,11 @@ class Sampler:
         last = torch.tensor(last_rows, dtype=torch.int64, device=logits.device)
         is_draft_row = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
         is_draft_row[last] = False
+        # Per request, from its last row: greedy or not, and its generator (a seeded request's).
         is_greedy = [md.greedy[r] for r in last_rows]
         generators = {i: md.generators[r] for i, r in enumerate(last_rows) if r in md.generators}
-        if md.all_greedy:
-            bonus = argmax[last]
-            # Greedy rows never read the target probabilities; skip the softmax over the vocabulary.
-            target_probs = processed[is_draft_row]
-        else:
-            probs = self.probs(processed, md)
-            target_probs = probs[is_draft_row]
-            drawn = ops.random_sample(probs[last].clone(), generators)
-            bonus = torch.where(torch.tensor(is_greedy, device=logits.device), argmax[last], drawn)
+        target_probs, bonus = self._targets_and_bonus(processed, md, argmax, last, is_draft_row, is_greedy,
+                                                      generators)
         emitted = rejection_sample(target_probs, argmax[is_draft_row], drafts.draft_token_ids, drafts.draft_probs,
                                    drafts.num_draft_tokens, bonus, is_greedy, generators)
         logprobs = None
@@ -188,6 +182,18 @@ class Sampler:
             logprobs = compute_logprobs_topk(logits, md.max_num_logprobs,
                                              _emitted_per_row(emitted, drafts.num_draft_tokens, logits.device))
         return SamplerOutput(emitted, logprobs)
+
+    def _targets_and_bonus(self, processed: torch.Tensor, md: SamplingMetadata, argmax: torch.Tensor,
+                           last: torch.Tensor, is_draft_row: torch.Tensor, is_greedy: list[bool],
+                           generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the target's distribution at each proposal's row, each request's bonus token: a sample
+        at its last row). The bonus draw comes first, then the rejection sampler's (seeded order)."""
+        if md.all_greedy:
+            # Greedy rows never read the target probabilities; skip the softmax over the vocabulary.
+            return processed[is_draft_row], argmax[last]
+        probs = self.probs(processed, md)
+        drawn = ops.random_sample(probs[last].clone(), generators)
+        return probs[is_draft_row], torch.where(torch.tensor(is_greedy, device=probs.device), argmax[last], drawn)
 
 
 def _emitted_per_row(emitted: list[list[int]], num_draft_tokens: list[int], device: torch.device) -> torch.Tensor:
