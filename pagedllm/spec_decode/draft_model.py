@@ -92,6 +92,7 @@ class DraftModelProposer:
               probs: dict[int, list[torch.Tensor]]) -> list[int]:
         """One guess per active request through the Sampler (argmax for greedy requests); the
         distributions of the random ones are kept for the verifier."""
+        assert inputs.sampling is not None, "requests with room sampled this step: their metadata exists"
         md = inputs.sampling.select(inputs.sample_rows[active].tolist())
         tokens, drawn_from = self.sampler.draw(logits, md, keep_probs=True)
         if drawn_from is not None:
