@@ -1,9 +1,9 @@
 """Per-step sampling metadata: everything the Sampler needs, as batch tensors.
 
-The model runner builds one ``SamplingMetadata`` for the rows of its persistent input batch
-and reuses it for as long as those rows stay the same; a step that samples only some rows, or
-several rows per request (speculative decoding), takes ``select(rows)`` of it. The per-row
-output token lists are the runner's own live lists, so a reused metadata sees every new token.
+The worker's persistent input batch builds one ``SamplingMetadata`` for its rows and reuses
+it for as long as those rows stay the same; a step that samples only some rows, or several
+rows per request (speculative decoding), takes ``select(rows)`` of it. The per-row output
+token lists are the request states' own live lists, so a reused metadata sees every new token.
 """
 
 from __future__ import annotations
