@@ -103,6 +103,8 @@ def test_speculation_room_limits():
 def test_spec_decode_modules_do_not_import_the_runner():
     script = textwrap.dedent("""
         import sys
+        import pagedllm.spec_decode.ngram  # the contract and the n-gram proposer: numpy only
+        assert "torch" not in sys.modules, "the proposer contract imports torch"
         import pagedllm.spec_decode.factory
         assert "pagedllm.worker.model_runner" not in sys.modules, "a proposer module imports the runner"
         import pagedllm.spec_decode.proposer, pagedllm.spec_decode.ngram
