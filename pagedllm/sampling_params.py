@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Any
 
-_SAMPLING_EPS = 1e-5
+# Temperatures below this are greedy: the one threshold (SamplingParams normalises them to 0 and
+# the sampler tests its per-row temperatures against it).
+SAMPLING_EPS = 1e-5
 
 
 class RequestOutputKind(IntEnum):
@@ -133,7 +135,7 @@ class SamplingParams:
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._verify()
-        if self.temperature < _SAMPLING_EPS:
+        if self.temperature < SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect, normalise them away.
             self.temperature = 0.0
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0

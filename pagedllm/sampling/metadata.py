@@ -1,9 +1,9 @@
 """Per-step sampling metadata: everything the Sampler needs, as batch tensors.
 
-The model runner builds one ``SamplingMetadata`` for the rows of its persistent input batch
-and reuses it for as long as those rows stay the same; a step that samples only some rows, or
-several rows per request (speculative decoding), takes ``select(rows)`` of it. The per-row
-output token lists are the runner's own live lists, so a reused metadata sees every new token.
+The worker's persistent input batch builds one ``SamplingMetadata`` for its rows and reuses
+it for as long as those rows stay the same; a step that samples only some rows, or several
+rows per request (speculative decoding), takes ``select(rows)`` of it. The per-row output
+token lists are the request states' own live lists, so a reused metadata sees every new token.
 """
 
 from __future__ import annotations
@@ -12,10 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.sampling_params import SamplingParams
-
-# Temperatures below this are treated as greedy (matches SamplingParams' normalisation).
-SAMPLING_EPS = 1e-5
+from pagedllm.sampling_params import SAMPLING_EPS, SamplingParams
 
 
 @dataclass
@@ -23,6 +20,8 @@ class SamplingMetadata:
     """Batch-level sampling inputs for one step; row i describes the i-th sampled request."""
 
     temperature: torch.Tensor | None  # [N] float32; 0.0 = greedy row. None when all greedy.
+    # Per row, on the host: temperature < SAMPLING_EPS (the one definition of greedy).
+    greedy: list[bool]
     all_greedy: bool
     all_random: bool
     top_p: torch.Tensor | None  # [N] float32; None if no row uses top-p (< 1)
@@ -71,12 +70,14 @@ class SamplingMetadata:
         min-tokens stop set unless the request sets ``ignore_eos``.
         """
         temps = [p.temperature for p in params]
-        all_greedy = all(t < SAMPLING_EPS for t in temps)
+        greedy = [t < SAMPLING_EPS for t in temps]
+        all_greedy = all(greedy)
         no_penalties = all(_no_penalty(p) for p in params)
         return cls(
             temperature=None if all_greedy else _f32(temps, device),
+            greedy=greedy,
             all_greedy=all_greedy,
-            all_random=all(t >= SAMPLING_EPS for t in temps),
+            all_random=not any(greedy),
             top_p=_optional([p.top_p for p in params], 1.0, torch.float32, device),
             top_k=_optional([p.top_k for p in params], 0, torch.int64, device),
             min_p=_optional([p.min_p for p in params], 0.0, torch.float32, device),
@@ -105,13 +106,15 @@ class SamplingMetadata:
                 index = torch.tensor(rows, dtype=torch.int64, device=t.device)
             return t.index_select(0, index)
 
-        temperature = pick(self.temperature)
         all_greedy, all_random = self.all_greedy or not rows, self.all_random or not rows
-        if not (all_greedy or all_random):  # a mixed batch: the chosen rows may all be one kind
-            greedy = temperature < SAMPLING_EPS
-            all_greedy, all_random = bool(greedy.all()), not bool(greedy.any())
+        if all_greedy or all_random:
+            greedy = [all_greedy] * len(rows)
+        else:  # a mixed batch: the chosen rows may all be one kind
+            greedy = [self.greedy[r] for r in rows]
+            all_greedy, all_random = all(greedy), not any(greedy)
         return SamplingMetadata(
-            temperature=None if all_greedy else temperature,
+            temperature=None if all_greedy else pick(self.temperature),
+            greedy=greedy,
             all_greedy=all_greedy,
             all_random=all_random,
             top_p=pick(self.top_p),

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.sampling_params import SAMPLING_EPS
+
 _NEG_INF = float("-inf")
 
 
@@ -104,7 +106,7 @@ def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties
 
 
 # --------------------------------------------------------------------------- random-path ops
-def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+def apply_temperature(logits: torch.Tensor, temperature: torch.Tensor, eps: float = SAMPLING_EPS) -> torch.Tensor:
     """Divide each row by its temperature; greedy rows (temp ~0) are left as is.
 
     Greedy rows are resolved by argmax elsewhere; dividing them by 0 would only make NaNs.

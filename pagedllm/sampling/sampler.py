@@ -1,19 +1,24 @@
-"""The Sampler: logits + SamplingMetadata -> sampled token ids (+ logprobs).
+"""The Sampler: logits + SamplingMetadata (+ proposals to verify) -> emitted tokens (+ logprobs).
 
 Order (vLLM's): raw logprobs from the unprocessed logits; allowed-token mask, logit bias
 and min-tokens; penalties; greedy argmax; temperature, top-k/top-p, min-p and an
-exponential-race draw for random rows; the two merged per row on temperature == 0.
+exponential-race draw for random rows; the two merged per row on temperature < SAMPLING_EPS.
+A step that verifies proposals (speculative decoding) processes every row the same way, then
+the rejection sampler keeps a prefix of each request's proposals and adds one target token; a
+draft model draws its proposals through the same chain (``Sampler.draw``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
-from torch import nn
 
 from pagedllm.sampling import ops
-from pagedllm.sampling.metadata import SAMPLING_EPS, SamplingMetadata, pad_token_ids
+from pagedllm.sampling.metadata import SamplingMetadata, pad_token_ids
+from pagedllm.sampling.rejection_sampler import rejection_sample
+from pagedllm.sampling_params import SAMPLING_EPS
 
 
 @dataclass
@@ -34,9 +39,28 @@ class LogprobsTensors:
 
 
 @dataclass
+class DraftBatch:
+    """The proposals a step verifies, grouped per request in batch order (speculative decoding).
+
+    Request i owns ``num_draft_tokens[i] + 1`` consecutive logits rows: its last real token's,
+    then one per proposal. Whether a request is greedy, and its generator, come from the
+    sampling metadata of those rows.
+    """
+
+    num_draft_tokens: list[int]  # per request; 0 = a plain one-token sample
+    draft_token_ids: torch.Tensor  # [sum] int64 on the device, flat in request order
+    draft_probs: torch.Tensor | None  # [sum, V] what the drafts were drawn from; None = deterministic
+
+
+@dataclass
 class SamplerOutput:
-    sampled_token_ids: torch.Tensor  # [N] int64
+    """One step's draw: what each request emits, and the raw logprobs of each logits row."""
+
+    # Per request: its one sampled token, or (verifying drafts) its accepted proposals and one more.
+    token_ids: list[list[int]]
     logprobs_tensors: LogprobsTensors | None
+    # [N] the token of each row, on the device; None when verifying drafts (see token_ids).
+    sampled_token_ids: torch.Tensor | None = None
 
 
 def compute_logprobs_topk(logits: torch.Tensor, k: int, token_ids: torch.Tensor) -> LogprobsTensors:
@@ -57,25 +81,45 @@ def compute_logprobs_topk(logits: torch.Tensor, k: int, token_ids: torch.Tensor)
     )
 
 
-class Sampler(nn.Module):
-    """Samples one token per row; stateless apart from the generators held in metadata."""
+class Sampler:
+    """Owns the sampling chain: allowed-token mask, logit bias and min-tokens; penalties;
+    greedy argmax; temperature, top-k/top-p, min-p and a seeded random draw; rejection
+    sampling of proposals. Stateless: seeded requests' generators travel in the metadata.
+    """
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if metadata.all_greedy and not metadata.has_logit_processing:
+    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
+               drafts: DraftBatch | None = None) -> SamplerOutput:
+        """Sample ``logits`` [N, V] (one metadata row per logits row), verifying ``drafts`` if given."""
+        if drafts is not None:
+            return self._verify(logits, metadata, drafts)
+        sampled, _ = self.draw(logits, metadata)
+        return SamplerOutput([[t] for t in sampled.tolist()], self._logprobs(logits, metadata, sampled), sampled)
+
+    def draw(self, logits: torch.Tensor, md: SamplingMetadata, keep_probs: bool = False,
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """([N] one token per row, the [N, V] distribution the random rows drew from when
+        ``keep_probs`` and any row is random, else None). A draft model draws its proposals here."""
+        if md.all_greedy and not md.has_logit_processing:
             # Nothing to change in the logits: argmax them as they are (the float32 copy below
             # is 25 MB at 128 rows x 49k vocabulary, a few ms per step on CPU).
-            sampled = logits.argmax(dim=-1)
-        else:
-            # Own float32 copy: the ops write in place and the raw logits feed the logprobs.
-            processed = logits.to(torch.float32, copy=True)
-            processed = self.apply_constraints(processed, metadata)
-            processed = self.apply_penalties(processed, metadata)
-            sampled = self.sample(processed, metadata)
-        logprobs = None
-        if metadata.max_num_logprobs is not None:
-            # vLLM's default "raw_logprobs": what the model said, before any processing.
-            logprobs = compute_logprobs_topk(logits, metadata.max_num_logprobs, sampled)
-        return SamplerOutput(sampled_token_ids=sampled, logprobs_tensors=logprobs)
+            return logits.argmax(dim=-1), None
+        processed = self.process(logits, md)
+        if md.all_greedy:  # checked first: an empty batch is both all-greedy and all-random
+            return processed.argmax(dim=-1), None
+        greedy = None if md.all_random else processed.argmax(dim=-1)
+        probs = self.probs(processed, md)
+        # The draw divides its input in place: keep an untouched copy only for a caller that wants it.
+        drawn = ops.random_sample(probs.clone() if keep_probs else probs, md.generators)
+        if greedy is not None:
+            drawn = torch.where(md.temperature < SAMPLING_EPS, greedy, drawn)
+        return drawn, probs if keep_probs else None
+
+    @classmethod
+    def process(cls, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """A float32 copy of ``logits`` with the constraints and penalties applied (the raw
+        logits stay untouched: they feed the logprobs)."""
+        processed = logits.to(torch.float32, copy=True)
+        return cls.apply_penalties(cls.apply_constraints(processed, md), md)
 
     @staticmethod
     def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -99,23 +143,8 @@ class Sampler(nn.Module):
             md.repetition_penalties,
         )
 
-    def sample(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Greedy argmax and/or random draw, merged per row on temperature == 0."""
-        if md.all_greedy:  # checked first: an empty batch is both all-greedy and all-random
-            return logits.argmax(dim=-1)
-        greedy = None if md.all_random else logits.argmax(dim=-1)
-        assert md.temperature is not None, "temperature is required unless all rows are greedy"
-        random = self.random_sample(logits, md)
-        if greedy is None:
-            return random
-        return torch.where(md.temperature < SAMPLING_EPS, greedy, random)
-
-    @classmethod
-    def random_sample(cls, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        return ops.random_sample(cls.processed_probs(logits, md), md.generators)
-
     @staticmethod
-    def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """The distribution random rows draw from: temperature, top-k/top-p, min-p, softmax.
         Greedy rows come out at temperature 1 (unused). Writes into ``logits``."""
         logits = ops.apply_temperature(logits, md.temperature, SAMPLING_EPS)
@@ -123,3 +152,54 @@ class Sampler(nn.Module):
         if md.min_p is not None:
             logits = ops.apply_min_p(logits, md.min_p)
         return logits.softmax(dim=-1, dtype=torch.float32)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, md: SamplingMetadata, token_ids: torch.Tensor) -> LogprobsTensors | None:
+        if md.max_num_logprobs is None:
+            return None
+        # vLLM's default "raw_logprobs": what the model said, before any processing.
+        return compute_logprobs_topk(logits, md.max_num_logprobs, token_ids)
+
+    def _verify(self, logits: torch.Tensor, md: SamplingMetadata, drafts: DraftBatch) -> SamplerOutput:
+        """Per request: its accepted proposals + one sampled token (the rejection sampler keeps the
+        longest acceptable prefix, so the output follows the target's distribution; token for token
+        under greedy). Every row is processed as a plain sample's would be."""
+        processed = self.process(logits, md)
+        argmax = processed.argmax(dim=-1)
+        last_rows = [end - 1 for end in accumulate(k + 1 for k in drafts.num_draft_tokens)]
+        last = torch.tensor(last_rows, dtype=torch.int64, device=logits.device)
+        is_draft_row = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        is_draft_row[last] = False
+        # Per request, from its last row: greedy or not, and its generator (a seeded request's).
+        is_greedy = [md.greedy[r] for r in last_rows]
+        generators = {i: md.generators[r] for i, r in enumerate(last_rows) if r in md.generators}
+        target_probs, bonus = self._targets_and_bonus(processed, md, argmax, last, is_draft_row, is_greedy,
+                                                      generators)
+        emitted = rejection_sample(target_probs, argmax[is_draft_row], drafts.draft_token_ids, drafts.draft_probs,
+                                   drafts.num_draft_tokens, bonus, is_greedy, generators)
+        logprobs = None
+        if md.max_num_logprobs is not None:
+            logprobs = compute_logprobs_topk(logits, md.max_num_logprobs,
+                                             _emitted_per_row(emitted, drafts.num_draft_tokens, logits.device))
+        return SamplerOutput(emitted, logprobs)
+
+    def _targets_and_bonus(self, processed: torch.Tensor, md: SamplingMetadata, argmax: torch.Tensor,
+                           last: torch.Tensor, is_draft_row: torch.Tensor, is_greedy: list[bool],
+                           generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the target's distribution at each proposal's row, each request's bonus token: a sample
+        at its last row). The bonus draw comes first, then the rejection sampler's (seeded order)."""
+        if md.all_greedy:
+            # Greedy rows never read the target probabilities; skip the softmax over the vocabulary.
+            return processed[is_draft_row], argmax[last]
+        probs = self.probs(processed, md)
+        drawn = ops.random_sample(probs[last].clone(), generators)
+        return probs[is_draft_row], torch.where(torch.tensor(is_greedy, device=probs.device), argmax[last], drawn)
+
+
+def _emitted_per_row(emitted: list[list[int]], num_draft_tokens: list[int], device: torch.device) -> torch.Tensor:
+    """Row j of a request is scored against its j-th emitted token (rows past the end get a
+    placeholder; the runner trims them)."""
+    rows = []
+    for tokens, k in zip(emitted, num_draft_tokens):
+        rows.extend(tokens + [0] * (k + 1 - len(tokens)))
+    return torch.tensor(rows, dtype=torch.int64, device=device)

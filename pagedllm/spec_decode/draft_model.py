@@ -3,103 +3,100 @@
 The draft model's KV lives in its own cache tensors but in the same blocks as the target's:
 every block table, slot mapping and block id is shared, so the scheduler's block machinery
 (allocation, prefix caching, preemption) covers both models at once, and a prefix-cache hit
-brings the draft's KV along with the target's. Each step the draft first catches up on the
-tokens the target just ran plus the ones it emitted, then feeds its own guesses back k - 1
-times; those writes land in lookahead slots the scheduler reserves
-(``SpeculativeConfig.num_lookahead_tokens``) and are overwritten once the target verifies.
+brings the draft's KV along with the target's. The runner binds those caches like the target's
+(``models``). Each step the draft first catches up on the tokens the target just ran plus the
+ones it emitted, then feeds its own guesses back k - 1 times; those writes land in lookahead
+slots the scheduler reserves (``SpeculativeConfig.num_lookahead_tokens``) and are overwritten
+once the target verifies. Guesses are drawn through the target's ``Sampler`` chain with the
+requests' own sampling metadata.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pagedllm.config import EngineConfig
-from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention.backends.base import AttentionBackend
 from pagedllm.models.loader import load_model
-from pagedllm.sampling import ops
-from pagedllm.sampling.metadata import SamplingMetadata
-from pagedllm.spec_decode.proposer import ProposeContext, Proposals, speculation_room
-from pagedllm.worker.flat_batch import build_flat_batch
+from pagedllm.sampling.sampler import Sampler
+from pagedllm.spec_decode.proposer import ProposerInputs, Proposals
+from pagedllm.worker.flat_batch import batch_tensors, index_arrays
+from pagedllm.worker.staging import HostStager
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 attn_backend: AttentionBackend, stager: HostStager) -> None:
         spec = config.speculative_config
         mc = config.model_config
-        self.k = spec.num_speculative_tokens
-        self.max_model_len = mc.max_model_len
-        self.vocab_size = spec.draft_arch.vocab_size
         self.model = load_model(spec.draft_model, spec.draft_arch, load_format=mc.load_format, dtype=dtype,
                                 device=device, seed=mc.seed)
+        self.attn_backend, self.stager = attn_backend, stager
+        self.sampler = Sampler()
 
-    def attention_layers(self) -> list[Attention]:
-        return [m for m in self.model.modules() if isinstance(m, Attention)]
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        return [self.model]
 
     @torch.inference_mode()
-    def propose(self, ctx: ProposeContext) -> Proposals:
-        hidden, last_row = self._catch_up(ctx)
-        runner = ctx.runner
-        rooms = {r: speculation_room(runner.requests[r], self.k, self.max_model_len) for r in ctx.emitted}
-        active = [r for r, room in rooms.items() if room > 0]
+    def propose(self, inputs: ProposerInputs) -> Proposals:
+        hidden, last_row = self._catch_up(inputs)
+        rooms = inputs.max_proposals
+        active = np.flatnonzero(rooms > 0)  # indices into the sampling requests
         proposals = Proposals()
-        if not active:
+        if not active.size:
             return proposals
-        logits = self.model.compute_logits(hidden[[last_row[r] for r in active]])
-        for j in range(max(rooms[r] for r in active)):
-            tokens, probs = self._draw(runner, active, logits)
-            for i, req_id in enumerate(active):
-                proposals.token_ids.setdefault(req_id, []).append(tokens[i])
-                if probs is not None and probs[i] is not None:
-                    proposals.probs.setdefault(req_id, []).append(probs[i])
-            active = [r for r in active if len(proposals.token_ids[r]) < rooms[r]]
-            if not active:
+        guesses = np.zeros((len(rooms), int(rooms.max())), dtype=np.int64)
+        probs: dict[int, list[torch.Tensor]] = {}
+        logits = self.model.compute_logits(hidden[torch.as_tensor(last_row[active], device=hidden.device)])
+        for j in range(guesses.shape[1]):
+            guesses[active, j] = self._draw(inputs, active, logits, probs)
+            active = active[rooms[active] > j + 1]
+            if not active.size:
                 break
-            logits = self._feed_back(runner, active, proposals, j)
-        proposals.probs = {r: torch.stack(rows) for r, rows in proposals.probs.items()}
+            logits = self._feed_back(inputs, active, guesses[active, j], j)
+        req_ids = [inputs.req_ids[row] for row in inputs.sample_rows.tolist()]
+        for i, room in enumerate(rooms.tolist()):
+            if room:
+                proposals.token_ids[req_ids[i]] = guesses[i, :room].tolist()
+        proposals.probs = {req_ids[i]: torch.stack(rows) for i, rows in probs.items()}
         return proposals
 
-    def _catch_up(self, ctx: ProposeContext) -> tuple[torch.Tensor, dict[str, int]]:
+    def _catch_up(self, inputs: ProposerInputs) -> tuple[torch.Tensor, np.ndarray]:
         """Run the draft over what the target ran this step, plus the tokens it emitted (the
-        accepted proposals and the new token), so the draft's KV covers every computed token."""
-        runner, batch = ctx.runner, ctx.batch
-        tokens, starts, tables = [], [], []
-        for req_id, start, num_scheduled in zip(batch.req_ids, batch.starts, batch.num_scheduled):
-            row = runner.input_batch.tokens(req_id)
-            end = len(row) if req_id in ctx.emitted else start + num_scheduled
-            tokens.append(row[start:end].tolist())
-            starts.append(start)
-            tables.append(runner.requests[req_id].block_ids)
-        hidden = self._forward(runner, tokens, starts, tables)
-        ends = torch.tensor([len(t) for t in tokens]).cumsum(0).tolist()
-        return hidden, {r: ends[i] - 1 for i, r in enumerate(batch.req_ids)}
+        accepted proposals and the new token), so the draft's KV covers every computed token.
+        Returns the hidden states and, per sampling request, the row of its last token."""
+        ends = inputs.starts + inputs.num_scheduled
+        ends[inputs.sample_rows] = inputs.num_tokens[inputs.sample_rows]  # rejected proposals out, emitted in
+        counts = ends - inputs.starts
+        arrays, req_of_token = index_arrays(counts, inputs.starts, inputs.block_table, inputs.block_size)
+        arrays["input_ids"] = inputs.token_ids[req_of_token, arrays["positions"]]
+        hidden = self._forward(arrays, inputs.block_size)
+        return hidden, arrays["query_start_loc"][inputs.sample_rows + 1] - 1
 
-    def _feed_back(self, runner, active: list[str], proposals: Proposals, j: int) -> torch.Tensor:
+    def _feed_back(self, inputs: ProposerInputs, active: np.ndarray, tokens: np.ndarray, j: int) -> torch.Tensor:
         """One decode step of the draft on its own latest guess for each request still going."""
-        states = [runner.requests[r] for r in active]
+        rows = inputs.sample_rows[active]
         # The emitted token sits at num_tokens - 1; guess j + 1 goes right after guess j.
-        starts = [s.num_tokens + j for s in states]
-        tokens = [[proposals.token_ids[r][j]] for r in active]
-        hidden = self._forward(runner, tokens, starts, [s.block_ids for s in states])
-        return self.model.compute_logits(hidden)
+        arrays, _ = index_arrays(np.ones(len(rows), dtype=np.int64), inputs.num_tokens[rows] + j,
+                                 inputs.block_table[rows], inputs.block_size)
+        arrays["input_ids"] = tokens
+        return self.model.compute_logits(self._forward(arrays, inputs.block_size))
 
-    def _forward(self, runner, tokens: list[list[int]], starts: list[int], tables: list[list[int]]) -> torch.Tensor:
-        input_ids, positions, attn = build_flat_batch(tokens, starts, tables, runner.block_size, runner.device,
-                                                      stager=runner.stager)
-        return self.model(input_ids, positions, runner.attn_backend.build_metadata(attn))
+    def _forward(self, arrays: dict[str, np.ndarray], block_size: int) -> torch.Tensor:
+        input_ids, positions, attn = batch_tensors(arrays, self.stager.stage(arrays), block_size)
+        return self.model(input_ids, positions, self.attn_backend.build_metadata(attn))
 
-    def _draw(self, runner, active: list[str], logits: torch.Tensor) -> tuple[list[int], list | None]:
-        """Sample one guess per request from the draft's processed distribution (argmax for greedy
-        requests); return the distributions of the random ones for the verifier."""
-        states = [runner.requests[r] for r in active]
-        md = SamplingMetadata.from_params(
-            [s.sampling_params for s in states], [[] for _ in states], [s.output_token_ids for s in states],
-            self.vocab_size, logits.device, {i: s.generator for i, s in enumerate(states) if s.generator is not None})
-        processed = runner.sampler.apply_constraints(logits.to(torch.float32, copy=True), md)
-        greedy = processed.argmax(dim=-1)
-        if md.all_greedy:
-            return greedy.tolist(), None
-        probs = runner.sampler.processed_probs(processed, md)
-        drawn = ops.random_sample(probs.clone(), md.generators)
-        is_greedy = md.temperature < 1e-5
-        tokens = torch.where(is_greedy, greedy, drawn).tolist()
-        return tokens, [None if g else probs[i] for i, g in enumerate(is_greedy.tolist())]
+    def _draw(self, inputs: ProposerInputs, active: np.ndarray, logits: torch.Tensor,
+              probs: dict[int, list[torch.Tensor]]) -> list[int]:
+        """One guess per active request through the Sampler (argmax for greedy requests); the
+        distributions of the random ones are kept for the verifier."""
+        assert inputs.sampling is not None, "requests with room sampled this step: their metadata exists"
+        md = inputs.sampling.select(inputs.sample_rows[active].tolist())
+        tokens, drawn_from = self.sampler.draw(logits, md, keep_probs=True)
+        if drawn_from is not None:
+            for i, (request, greedy) in enumerate(zip(active.tolist(), md.greedy)):
+                if not greedy:
+                    probs.setdefault(request, []).append(drawn_from[i])
+        return tokens.tolist()

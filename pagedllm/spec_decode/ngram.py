@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagedllm.spec_decode.proposer import ProposerInputs, Proposals
+
 
 class NgramProposer:
     """Proposes up to ``num_speculative_tokens`` draft tokens per call by n-gram lookup.
@@ -89,3 +91,24 @@ def _pick_continuation_start(ends: np.ndarray, length: int, want: int) -> int:
     starts = ends + 1
     full = starts[starts + want <= length]
     return int(full[-1]) if full.size else int(starts[0])
+
+
+class NgramSpecProposer:
+    """The ``Proposer`` of method "ngram": no model, each request's own text (the persistent
+    batch's token rows) predicts its continuation."""
+
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
+        self.ngram = NgramProposer(num_speculative_tokens, prompt_lookup_min, prompt_lookup_max)
+
+    @property
+    def models(self) -> list:
+        return []  # nothing to hold KV for
+
+    def propose(self, inputs: ProposerInputs) -> Proposals:
+        proposals = Proposals()
+        rows, rooms = inputs.sample_rows.tolist(), inputs.max_proposals.tolist()
+        for row, room in zip(rows, rooms):
+            tokens = self.ngram.propose(inputs.token_ids[row, :inputs.num_tokens[row]], room) if room else []
+            if tokens:
+                proposals.token_ids[inputs.req_ids[row]] = tokens
+        return proposals

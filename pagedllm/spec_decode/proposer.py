@@ -1,9 +1,10 @@
 """Proposers: who guesses a request's next tokens after each step (worker side).
 
-A proposer sees the step that just ran (the batch, the target's hidden states, the tokens each
-request emitted) and returns up to ``num_speculative_tokens`` guesses per request. The
+The contract is plain data: a proposer receives ``ProposerInputs`` (the step that just ran, as
+explicit arrays and tensors) and returns ``Proposals``; it never sees the model runner. The
 scheduler only ever sees token lists, so a new kind of proposer (an EAGLE or Medusa head reading
-``ProposeContext.hidden``) plugs in here without touching it.
+``ProposerInputs.hidden_states``) plugs in here without touching either. ``factory.py`` picks
+the implementation (``ngram.py``, ``draft_model.py``).
 """
 
 from __future__ import annotations
@@ -11,22 +12,31 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-import torch
+if TYPE_CHECKING:  # annotations only: this module and ngram.py stay importable without torch
+    import numpy as np
+    import torch
 
-from pagedllm.config import EngineConfig
-from pagedllm.spec_decode.ngram import NgramProposer
-from pagedllm.worker.input_batch import BatchInputs, CachedRequestState
-
-if TYPE_CHECKING:
-    from pagedllm.worker.model_runner import ModelRunner
+    from pagedllm.sampling.metadata import SamplingMetadata
+    from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
-class ProposeContext:
-    runner: ModelRunner  # request states, block size, device, sampler, attention backend
-    batch: BatchInputs  # the step that just ran
-    hidden: torch.Tensor  # the target's last hidden states for that batch
-    emitted: dict[str, list[int]]  # tokens each sampling request emitted this step
+class ProposerInputs:
+    """The step that just ran, after sampling. Batch rows are the step's requests; arrays are
+    host (numpy) views of the persistent batch, valid until the next step changes it."""
+
+    req_ids: list[str]  # per batch row
+    token_ids: np.ndarray  # [rows, width] each row's tokens so far (prompt + output, this step's included)
+    num_tokens: np.ndarray  # [rows] valid tokens per row of ``token_ids``
+    starts: np.ndarray  # [rows] tokens computed before this step (its first position)
+    num_scheduled: np.ndarray  # [rows] tokens the target ran this step (proposals verified included)
+    block_table: np.ndarray  # [rows, blocks] the KV blocks (shared by every model), 0-padded
+    block_size: int
+    hidden_states: torch.Tensor  # [T, hidden] the target's last hidden states, T = num_scheduled.sum()
+    sample_rows: np.ndarray  # [S] batch rows of the requests that sampled, in order
+    emitted: list[list[int]]  # per sampling request: the tokens it emitted this step
+    max_proposals: np.ndarray  # [S] how many proposals each sampling request may get (0: none)
+    sampling: SamplingMetadata | None  # one row per batch row (``select`` the ones needed); None: S = 0
 
 
 @dataclass
@@ -38,11 +48,19 @@ class Proposals:
 
 
 class Proposer(Protocol):
-    def propose(self, ctx: ProposeContext) -> Proposals: ...
+    """Guesses up to ``inputs.max_proposals[i]`` next tokens for each request that sampled."""
+
+    @property
+    def models(self) -> list[torch.nn.Module]:
+        """The models it runs: their attention layers get KV caches like the target's."""
+        ...
+
+    def propose(self, inputs: ProposerInputs) -> Proposals: ...
 
 
-def speculation_room(state: CachedRequestState, k: int, max_model_len: int) -> int:
-    """How many proposals are worth verifying for this request next step (0: none).
+def speculation_room(params: SamplingParams, num_tokens: int, num_output_tokens: int, k: int,
+                     max_model_len: int) -> int:
+    """How many proposals are worth verifying for a request next step (0: none).
 
     Proposals must stay inside max_model_len and max_tokens (the step always adds one sampled
     token after them), and are only made where every verified position samples from the same
@@ -50,44 +68,12 @@ def speculation_room(state: CachedRequestState, k: int, max_model_len: int) -> i
     before each position, so those requests decode one token at a time, exactly as without
     speculation.
     """
-    params = state.sampling_params
     if (params.structured_outputs is not None or params.presence_penalty or params.frequency_penalty
-            or params.repetition_penalty != 1.0 or len(state.output_token_ids) < params.min_tokens):
+            or params.repetition_penalty != 1.0 or num_output_tokens < params.min_tokens):
         return 0
     # The step emits up to room + 1 tokens; a draft model then runs on the last of them, so its
     # position (len + room) must stay below max_model_len.
-    room = min(k, max_model_len - state.num_tokens - 1)
+    room = min(k, max_model_len - num_tokens - 1)
     if params.max_tokens is not None:
-        room = min(room, params.max_tokens - len(state.output_token_ids) - 1)
+        room = min(room, params.max_tokens - num_output_tokens - 1)
     return max(room, 0)
-
-
-class NgramSpecProposer:
-    """Prompt lookup: no model, the request's own text predicts its continuation."""
-
-    def __init__(self, config: EngineConfig) -> None:
-        spec = config.speculative_config
-        self.k = spec.num_speculative_tokens
-        self.max_model_len = config.model_config.max_model_len
-        self.ngram = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-
-    def propose(self, ctx: ProposeContext) -> Proposals:
-        proposals = Proposals()
-        for req_id in ctx.emitted:
-            state = ctx.runner.requests[req_id]
-            room = speculation_room(state, self.k, self.max_model_len)
-            tokens = self.ngram.propose(ctx.runner.input_batch.tokens(req_id), room) if room else []
-            if tokens:
-                proposals.token_ids[req_id] = list(tokens)
-        return proposals
-
-
-def make_proposer(config: EngineConfig, runner: ModelRunner) -> Proposer | None:
-    spec = config.speculative_config
-    if spec is None:
-        return None
-    if spec.method == "ngram":
-        return NgramSpecProposer(config)
-    from pagedllm.spec_decode.draft_model import DraftModelProposer
-
-    return DraftModelProposer(config, runner.device, runner.dtype)

@@ -27,7 +27,7 @@ import torch
 from pagedllm.config import EngineConfig
 from pagedllm.layers.attention.backends.base import AttentionBackend
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
-from pagedllm.worker.input_batch import BatchInputs
+from pagedllm.worker.batch_inputs import BatchInputs
 
 MAX_CAPTURE_SIZE = 256  # larger decode batches are compute-bound enough to run eagerly
 

@@ -1,87 +1,27 @@
-"""The worker's request state and the persistent input batch the step's tensors come from.
+"""The persistent input batch every step's typed inputs (``BatchInputs``) come from.
 
-``CachedRequestState`` is what the worker remembers about every live request. ``InputBatch``
-holds the requests scheduled in the current step as dense rows of numpy buffers (token ids,
-computed counts, block tables) that persist across steps and change only by the scheduler's
-diffs, so building a step is a few numpy gathers over those buffers, not per-request Python
-list work; per-row caches (the runner's sampling metadata) are reused while the rows stay
-the same (``InputBatch.version``).
+``InputBatch`` holds the requests scheduled in the current step as dense rows of numpy buffers
+(token ids, computed counts, block tables) that persist across steps and change only by the
+scheduler's diffs, so building a step is a few numpy gathers over those buffers, not
+per-request Python list work; per-row caches (the rows' sampling metadata) are reused while
+the rows stay the same (``InputBatch.version``). After sampling it records the emitted tokens
+and hands a proposer its view of the step (``ProposerInputs``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pagedllm.core.sched_output import SchedulerOutput
-from pagedllm.layers.attention.metadata import CommonAttentionMetadata
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.sampling.metadata import SamplingMetadata
+from pagedllm.sampling.sampler import DraftBatch
+from pagedllm.spec_decode.proposer import ProposerInputs, Proposals, speculation_room
+from pagedllm.worker.batch_inputs import BatchInputs
 from pagedllm.worker.flat_batch import batch_tensors, index_arrays
+from pagedllm.worker.request_state import CachedRequestState
 from pagedllm.worker.staging import HostStager
-
-
-@dataclass
-class CachedRequestState:
-    """What the worker remembers about a request between steps."""
-
-    req_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed_tokens: int
-    # Appended in place as tokens are sampled: the sampling metadata holds this very list.
-    output_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs_done: int = 0  # prompt positions already reported (a resumed request recomputes)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
-
-
-@dataclass
-class BatchInputs:
-    """Flat tensors for one forward, plus which rows need logits."""
-
-    req_ids: list[str]
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    attn: CommonAttentionMetadata
-    logits_indices: torch.Tensor  # rows whose logits are sampled (1 + its proposals per request)
-    sample_req_ids: list[str]  # the requests those rows belong to, in order
-    starts: list[int]  # per request: tokens already computed before this step
-    num_scheduled: list[int]
-    num_draft_tokens: list[int] = field(default_factory=list)  # per sampled request: proposals verified
-    draft_token_ids: list[int] = field(default_factory=list)  # all sampled requests' proposals, flat
-    # Per logits row: its request's batch row (the request repeated over its proposals' rows).
-    sample_rows: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
-
-    @property
-    def has_drafts(self) -> bool:
-        return bool(self.draft_token_ids)
-
-
-def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
-                  make_generator) -> None:
-    """Apply the scheduler's diffs to the worker's request states."""
-    for req_id in sched.finished_req_ids:
-        states.pop(req_id, None)
-    for new in sched.scheduled_new_reqs:
-        states[new.req_id] = CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), new.sampling_params,
-            make_generator(new.sampling_params.seed), list(new.block_ids), new.num_computed_tokens)
-    cached = sched.scheduled_cached_reqs
-    for req_id, resumed, block_ids, computed in zip(cached.req_ids, cached.resumed_from_preemption,
-                                                    cached.new_block_ids, cached.num_computed_tokens):
-        state = states[req_id]
-        state.block_ids = list(block_ids) if resumed else state.block_ids + block_ids
-        state.num_computed_tokens = computed
 
 
 class InputBatch:
@@ -95,7 +35,9 @@ class InputBatch:
     changes with every change of membership or order. Buffers grow (doubling) as needed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int, vocab_size: int, stager: HostStager) -> None:
+        self.block_size, self.vocab_size, self.stager = block_size, vocab_size, stager
+        self._sampling: tuple[int, SamplingMetadata] | None = None  # (version, the rows' metadata)
         self.states: list[CachedRequestState] = []  # row i's request
         self.row_of: dict[str, int] = {}
         self.token_ids = np.zeros((8, 256), dtype=np.int64)
@@ -140,7 +82,9 @@ class InputBatch:
 
     def append_tokens(self, req_id: str, tokens: list[int]) -> None:
         """Record sampled tokens (the caller extends the state's ``output_token_ids``)."""
-        row = self.row_of[req_id]
+        self._append(self.row_of[req_id], tokens)
+
+    def _append(self, row: int, tokens: list[int]) -> None:
         end = self.num_tokens[row] + len(tokens)
         self._fit(row + 1, end)
         self.token_ids[row, self.num_tokens[row]:end] = tokens
@@ -188,45 +132,127 @@ class InputBatch:
                 _grown(a[None], 1, rows)[0] for a in (self.num_tokens, self.num_computed, self.num_blocks))
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, sched: SchedulerOutput, block_size: int, stager: HostStager) -> BatchInputs:
-        """The step's flat tensors: token ids, positions, slot mapping and block tables gathered
-        from the buffers, moved (with the sampled rows) to the device in one go.
+    def prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        """The step's typed inputs: token ids, positions, slot mapping and block tables gathered
+        from the buffers and moved (with the sampled rows) to the device in one go, plus the
+        sampling metadata of the rows that sample and the proposals they verify.
 
         A request with proposals (speculative decoding) runs its real tokens then its proposals;
         it samples at its last real token and at every proposal, and the verifier keeps a prefix.
         """
+        n = len(self.states)
+        counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in self.states), dtype=np.int64, count=n)
+        num_drafts = self._write_drafts(sched.scheduled_spec_decode_tokens)
+        starts = self.num_computed[:n].copy()
+        arrays, req_of_token = index_arrays(counts, starts, self._table(), self.block_size)
+        arrays["input_ids"] = self.token_ids[req_of_token, arrays["positions"]]
+        # Rows that reach the end of their tokens sample: the last real token's row + each proposal's.
+        sample = np.flatnonzero(starts + counts - num_drafts == self.num_tokens[:n])
+        sample_rows, arrays["logits_indices"], is_draft = _logits_rows(arrays["query_start_loc"], sample,
+                                                                       num_drafts[sample])
+        has_drafts = bool(is_draft.any())
+        if has_drafts:  # a proposal is the input token at every logits row but its request's first
+            arrays["draft_token_ids"] = arrays["input_ids"][arrays["logits_indices"][is_draft]]
+        staged = self.stager.stage(arrays)
+        input_ids, positions, attn = batch_tensors(arrays, staged, self.block_size)
         req_ids = self.req_ids
-        n = len(req_ids)
-        counts = np.fromiter((sched.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=n)
+        batch = BatchInputs(req_ids=req_ids, input_ids=input_ids, positions=positions, attn=attn, starts=starts,
+                            num_scheduled=counts, logits_indices=staged["logits_indices"],
+                            sample_req_ids=[req_ids[i] for i in sample.tolist()], sample_batch_rows=sample,
+                            sample_rows=sample_rows)
+        if len(sample):
+            batch.sampling = self._step_metadata(sample_rows, has_drafts)
+        if has_drafts:
+            batch.drafts = self._drafts(sample, num_drafts[sample].tolist(), staged["draft_token_ids"])
+        return batch
+
+    def _table(self) -> np.ndarray:
+        """The rows' block tables, as wide as the widest (0 = the null block pads)."""
+        n = len(self.states)
+        return self.block_table[:n, :max(1, int(self.num_blocks[:n].max()))]
+
+    def _write_drafts(self, spec_tokens: dict[str, list[int]]) -> np.ndarray:
+        """Write each request's proposals past its tokens (where this step's KV goes); [rows] counts."""
+        n = len(self.states)
         num_drafts = np.zeros(n, dtype=np.int64)
-        for req_id, drafts in sched.scheduled_spec_decode_tokens.items():
-            if drafts:  # written past the request's tokens, where this step's KV goes
+        for req_id, drafts in spec_tokens.items():
+            if drafts:
                 row = self.row_of[req_id]
                 end = self.num_tokens[row] + len(drafts)
                 self._fit(n, end)
                 self.token_ids[row, self.num_tokens[row]:end] = drafts
                 num_drafts[row] = len(drafts)
-        starts = self.num_computed[:n].copy()
-        table = self.block_table[:n, :max(1, int(self.num_blocks[:n].max()))]
-        arrays, req_of_token = index_arrays(counts, starts, table, block_size)
-        arrays["input_ids"] = self.token_ids[req_of_token, arrays["positions"]]
-        # Rows that reach the end of their tokens sample: the last real token's row + each proposal's.
-        sample = np.flatnonzero(starts + counts - num_drafts == self.num_tokens[:n])
-        rows_per_sample = num_drafts[sample] + 1
-        sample_rows = np.repeat(sample, rows_per_sample)
-        first_row = np.repeat(arrays["query_start_loc"][sample + 1] - rows_per_sample, rows_per_sample)
-        arrays["logits_indices"] = first_row + np.arange(len(sample_rows)) - np.repeat(
-            np.cumsum(rows_per_sample) - rows_per_sample, rows_per_sample)
-        staged = stager.stage(arrays)
-        input_ids, positions, attn = batch_tensors(arrays, staged, block_size)
-        sample_list = sample.tolist()
-        return BatchInputs(
-            req_ids=req_ids, input_ids=input_ids, positions=positions, attn=attn,
-            logits_indices=staged["logits_indices"], sample_req_ids=[req_ids[i] for i in sample_list],
-            starts=starts.tolist(), num_scheduled=counts.tolist(),
-            num_draft_tokens=num_drafts[sample].tolist(),
-            draft_token_ids=[t for i in sample_list for t in sched.scheduled_spec_decode_tokens.get(req_ids[i], ())],
-            sample_rows=sample_rows)
+        return num_drafts
+
+    def row_metadata(self) -> SamplingMetadata:
+        """The sampling metadata of the rows (row i = batch row i): built when the rows change,
+        reused while they stay the same (its output lists are the states' live lists)."""
+        if self._sampling is None or self._sampling[0] != self.version:
+            states = self.states
+            self._sampling = (self.version, SamplingMetadata.from_params(
+                [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
+                [s.output_token_ids for s in states], self.vocab_size, self.stager.device,
+                {i: s.generator for i, s in enumerate(states) if s.generator is not None}))
+        return self._sampling[1]
+
+    def _step_metadata(self, sample_rows: np.ndarray, has_drafts: bool) -> SamplingMetadata:
+        """One metadata row per logits row: the rows' own when every row samples once, in row
+        order; else ``select`` of it (some rows don't sample, or a request has several rows)."""
+        metadata = self.row_metadata()
+        if len(sample_rows) == len(self.states) and not has_drafts:
+            return metadata
+        return metadata.select(sample_rows.tolist())
+
+    def _drafts(self, sample: np.ndarray, num_drafts: list[int], draft_ids: torch.Tensor) -> DraftBatch:
+        """The proposals under verification, with the distributions a draft model drew them from."""
+        probs = [self.states[row].draft_probs for row in sample.tolist()]
+        draft_probs = None
+        if any(p is not None for p in probs):
+            # A request without stored distributions (greedy, which never reads them) gets one-hot
+            # rows at its proposals: exact for any proposer, should one ever be verified randomly.
+            rows = [p[:len(d)] if p is not None else F.one_hot(d, self.vocab_size).float()
+                    for p, d in zip(probs, draft_ids.split(num_drafts))]
+            draft_probs = torch.cat(rows)
+        return DraftBatch(num_drafts, draft_ids, draft_probs)
+
+    # ------------------------------------------------------------------ after sampling
+    def record_sampled(self, batch: BatchInputs, token_ids: list[list[int]]) -> None:
+        """Append each sampling request's emitted tokens to its state and its row."""
+        for row, tokens in zip(batch.sample_batch_rows.tolist(), token_ids):
+            self.states[row].output_token_ids.extend(tokens)
+            self._append(row, tokens)
+
+    def proposer_inputs(self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], k: int,
+                        max_model_len: int) -> ProposerInputs:
+        """What a proposer sees of the step (after ``record_sampled``): views of the rows."""
+        n, rows = len(self.states), batch.sample_batch_rows
+        states = [self.states[row] for row in rows.tolist()]
+        rooms = [speculation_room(s.sampling_params, s.num_tokens, len(s.output_token_ids), k, max_model_len)
+                 for s in states]
+        return ProposerInputs(
+            req_ids=batch.req_ids, token_ids=self.token_ids[:n], num_tokens=self.num_tokens[:n], starts=batch.starts,
+            num_scheduled=batch.num_scheduled, block_table=self._table(),
+            block_size=self.block_size, hidden_states=hidden, sample_rows=rows, emitted=emitted,
+            max_proposals=np.asarray(rooms, dtype=np.int64), sampling=self.row_metadata() if states else None)
+
+    def set_proposals(self, batch: BatchInputs, proposals: Proposals) -> None:
+        """Keep the distributions of the sampling requests' new proposals (None: deterministic)."""
+        for row in batch.sample_batch_rows.tolist():
+            state = self.states[row]
+            state.draft_probs = proposals.probs.get(state.req_id)
+
+
+def _logits_rows(query_start_loc: np.ndarray, sample: np.ndarray, num_drafts: np.ndarray,
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For the sampling requests ``sample`` (batch rows) with ``num_drafts`` proposals each: per
+    logits row its batch row, its token row (a request's last 1 + k tokens) and whether it is a
+    proposal's (every row of a request but its first)."""
+    rows_per_sample = num_drafts + 1
+    sample_rows = np.repeat(sample, rows_per_sample)
+    first_of_request = np.repeat(np.cumsum(rows_per_sample) - rows_per_sample, rows_per_sample)
+    position = np.arange(len(sample_rows)) - first_of_request  # within its request's rows
+    token_rows = np.repeat(query_start_loc[sample + 1] - rows_per_sample, rows_per_sample) + position
+    return sample_rows, token_rows, position > 0
 
 
 def _grown(a: np.ndarray, rows: int, width: int) -> np.ndarray:

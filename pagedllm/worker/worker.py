@@ -17,12 +17,12 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.layers.attention import Attention
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.sampler import compute_logprobs_topk
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import graphs_enabled
 from pagedllm.worker.flat_batch import build_flat_batch
+from pagedllm.worker.kv_layers import attention_layers
 from pagedllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ def profile_forward(runner: ModelRunner, config: EngineConfig) -> None:
     sched = config.scheduler_config
     lengths = profile_lengths(sched.max_num_batched_tokens, config.model_config.max_model_len, sched.max_num_seqs)
     block_size = runner.block_size
-    for layer in (m for m in runner.model.modules() if isinstance(m, Attention)):
+    for layer in attention_layers([runner.model]):
         scratch = torch.zeros(2, 1, block_size, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype,
                               device=runner.device)
         layer.bind_kv_cache(scratch, runner.attn_backend)  # replaced by initialize_kv_cache
@@ -172,4 +172,4 @@ def _profile_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=_PROFILE_LOGPROBS)
     metadata = SamplingMetadata.from_params([params] * rows, [[0]] * rows, [[0]] * rows, runner.vocab_size,
                                             runner.device)
-    runner.sampler(logits, metadata)
+    runner.sampler.sample(logits, metadata)

@@ -24,7 +24,7 @@ def _md(params: list[SamplingParams], outputs=None, prompts=None, vocab=V, gener
 
 
 def _sample(logits: torch.Tensor, params: list[SamplingParams], **kw):
-    return Sampler()(logits, _md(params, vocab=logits.shape[1], **kw))
+    return Sampler().sample(logits, _md(params, vocab=logits.shape[1], **kw))
 
 
 # --------------------------------------------------------------------------- metadata builder

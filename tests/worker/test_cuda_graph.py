@@ -11,13 +11,15 @@ from __future__ import annotations
 import importlib.util
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
+from pagedllm.sampling.sampler import DraftBatch
+from pagedllm.worker.batch_inputs import BatchInputs
 from pagedllm.worker.cuda_graph import (CudaGraphRunner, EagerGraph, StaticInputs, capture_sizes, graphs_enabled,
                                         padded_size)
 from pagedllm.worker.flat_batch import build_flat_batch
-from pagedllm.worker.input_batch import BatchInputs
 
 CUDA = torch.cuda.is_available()
 BLOCK = 16
@@ -66,9 +68,10 @@ def test_enforce_eager_flag(llama_model_dir):
 
 def _batch(tokens, starts, tables, drafts=()) -> BatchInputs:
     ids, positions, attn = build_flat_batch(tokens, starts, tables, BLOCK, torch.device("cpu"))
+    draft_batch = DraftBatch([len(drafts)], torch.tensor(drafts, dtype=torch.int64), None) if drafts else None
     return BatchInputs(req_ids=[str(i) for i in range(len(tokens))], input_ids=ids, positions=positions, attn=attn,
-                       logits_indices=torch.zeros(0, dtype=torch.int64), sample_req_ids=[], starts=list(starts),
-                       num_scheduled=[len(t) for t in tokens], draft_token_ids=list(drafts))
+                       starts=np.asarray(starts), num_scheduled=np.asarray([len(t) for t in tokens]),
+                       logits_indices=torch.zeros(0, dtype=torch.int64), drafts=draft_batch)
 
 
 def _runner(max_num_seqs: int, width: int = 4) -> CudaGraphRunner:

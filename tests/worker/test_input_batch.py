@@ -12,10 +12,16 @@ from pagedllm.core.sched_output import CachedRequestData, NewRequestData, Schedu
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.flat_batch import flat_batch_arrays
-from pagedllm.worker.input_batch import InputBatch, update_states
+from pagedllm.worker.input_batch import InputBatch
+from pagedllm.worker.request_state import update_states
 from pagedllm.worker.staging import HostStager
 
 BLOCK = 4
+VOCAB = 1000
+
+
+def _input_batch() -> InputBatch:
+    return InputBatch(BLOCK, VOCAB, HostStager("cpu"))
 
 
 class FakeScheduler:
@@ -94,9 +100,26 @@ def _reference(batch_rows: list[str], live: dict[str, dict], sched: SchedulerOut
     return arrays
 
 
+def _check_sampling_inputs(inputs, sched: SchedulerOutput, states) -> None:
+    """The typed step carries the metadata of its logits rows and the proposals they verify."""
+    drafts = [sched.scheduled_spec_decode_tokens.get(r, []) for r in inputs.sample_req_ids]
+    if any(drafts):
+        assert inputs.drafts.num_draft_tokens == [len(d) for d in drafts]
+        assert inputs.drafts.draft_token_ids.tolist() == [t for d in drafts for t in d]
+        assert inputs.drafts.draft_probs is None  # nobody stored distributions
+    else:
+        assert inputs.drafts is None
+    assert inputs.rows_per_request == [len(d) + 1 for d in drafts]
+    assert (inputs.sampling is None) == (not inputs.sample_req_ids)
+    if inputs.sampling is not None:
+        rows = [inputs.req_ids[r] for r in inputs.sample_rows.tolist()]
+        assert rows == inputs.logits_req_ids and inputs.sampling.num_rows == len(rows)
+        assert all(got is states[r].output_token_ids for got, r in zip(inputs.sampling.output_token_ids, rows))
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_prepare_matches_list_reference_over_random_diffs(seed):
-    fake, states, batch = FakeScheduler(seed), {}, InputBatch()
+    fake, states, batch = FakeScheduler(seed), {}, _input_batch()
     for _ in range(60):
         sched = fake.step()
         if sched.is_empty:
@@ -105,7 +128,7 @@ def test_prepare_matches_list_reference_over_random_diffs(seed):
         batch.sync(states, sched)
         assert set(batch.req_ids) == set(sched.num_scheduled_tokens)  # rows = this step's requests
         assert all(batch.row_of[r] == i for i, r in enumerate(batch.req_ids))
-        inputs = batch.prepare(sched, BLOCK, HostStager("cpu"))
+        inputs = batch.prepare(sched)
         ref = _reference(batch.req_ids, fake.live, sched)
         width = ref["block_table"].shape[1]
         assert inputs.input_ids.tolist() == ref["input_ids"].tolist()
@@ -116,6 +139,7 @@ def test_prepare_matches_list_reference_over_random_diffs(seed):
         assert inputs.attn.block_table[:, :width].tolist() == ref["block_table"].tolist()
         assert not inputs.attn.block_table[:, width:].any()  # padding is the null block
         assert inputs.logits_indices.tolist() == ref["logits_indices"].tolist()
+        _check_sampling_inputs(inputs, sched, states)
         sampled = {r: [random.randrange(1000)] for r in inputs.sample_req_ids}
         for req_id, tokens in sampled.items():
             states[req_id].output_token_ids.extend(tokens)
@@ -126,7 +150,7 @@ def test_prepare_matches_list_reference_over_random_diffs(seed):
 
 
 def test_rows_leave_and_come_back_with_their_state():
-    states, batch = {}, InputBatch()
+    states, batch = {}, _input_batch()
     params = SamplingParams(temperature=0.0)
     new = [NewRequestData(f"r{i}", [i] * (300 if i == 2 else 3), params, list(range(10 * i + 1, 10 * i + 3)), 0)
            for i in range(3)]
@@ -154,7 +178,7 @@ def test_rows_leave_and_come_back_with_their_state():
 def test_an_id_reused_by_a_new_request_gets_a_fresh_row():
     """A request finished (or aborted) and a new one under the same id in the next step: the
     row must come from the new state, not keep the old tokens and freed blocks."""
-    states, batch = {}, InputBatch()
+    states, batch = {}, _input_batch()
     params = SamplingParams(temperature=0.0)
     sched = SchedulerOutput([NewRequestData("x", [1, 2, 3], params, [5], 0)], CachedRequestData(), {"x": 3}, 3, set())
     update_states(states, sched, lambda seed: None)
@@ -167,7 +191,7 @@ def test_an_id_reused_by_a_new_request_gets_a_fresh_row():
     batch.sync(states, sched)
     assert batch.tokens("x").tolist() == [7, 7] and batch.states[0] is states["x"]
     assert batch.block_table[0, :1].tolist() == [8] and batch.version > version
-    inputs = batch.prepare(sched, BLOCK, HostStager("cpu"))
+    inputs = batch.prepare(sched)
     assert inputs.input_ids.tolist() == [7, 7] and inputs.attn.slot_mapping.tolist() == [32, 33]
 
 
@@ -183,7 +207,7 @@ def test_sampling_metadata_select_matches_building_the_rows_directly():
                                             [outputs[r] for r in rows], 16, "cpu",
                                             {i: gens[r] for i, r in enumerate(rows) if r in gens})
         got = md.select(rows)
-        assert (got.all_greedy, got.all_random) == (want.all_greedy, want.all_random)
+        assert (got.all_greedy, got.all_random, got.greedy) == (want.all_greedy, want.all_random, want.greedy)
         assert got.output_token_ids == want.output_token_ids and got.logit_bias == want.logit_bias
         assert got.min_tokens == want.min_tokens and got.generators == want.generators
         for name in ("temperature", "presence_penalties", "frequency_penalties", "repetition_penalties"):
@@ -195,3 +219,30 @@ def test_sampling_metadata_select_matches_building_the_rows_directly():
             assert torch.equal(a, b) if b is not None else (a is None or bool((a == neutral).all())), name
     outputs[2].append(5)  # the metadata holds the caller's lists: new tokens show without a rebuild
     assert md.output_token_ids[2] == [8, 8, 5] and md.select([2]).output_token_ids == [[8, 8, 5]]
+
+
+def test_step_metadata_is_reused_while_the_rows_stay_the_same():
+    states, batch = {}, _input_batch()
+    params = SamplingParams(temperature=0.7, seed=1)
+    new = [NewRequestData(f"r{i}", [1, 2, 3], params, [i + 1], 0) for i in range(2)]
+    sched = SchedulerOutput(new, CachedRequestData(), {"r0": 3, "r1": 3}, 6, set())
+    update_states(states, sched, lambda seed: torch.Generator().manual_seed(seed))
+    batch.sync(states, sched)
+    first = batch.prepare(sched).sampling
+    assert first is batch.row_metadata() and first.generators == {0: states["r0"].generator, 1: states["r1"].generator}
+    batch.record_sampled(batch.prepare(sched), [[4], [5]])
+    cached = CachedRequestData()
+    for req_id in ("r0", "r1"):
+        cached.add(req_id, False, [], 3)
+    sched = SchedulerOutput([], cached, {"r0": 1, "r1": 1}, 2, set())
+    update_states(states, sched, lambda seed: None)
+    batch.sync(states, sched)
+    assert batch.prepare(sched).sampling is first  # same rows: no rebuild, and it sees the new tokens
+    assert first.output_token_ids == [[4], [5]]
+    cached = CachedRequestData()
+    cached.add("r1", False, [], 3)
+    sched = SchedulerOutput([], cached, {"r1": 1}, 1, {"r0"})  # r0 finished: the rows change
+    update_states(states, sched, lambda seed: None)
+    batch.sync(states, sched)
+    again = batch.prepare(sched).sampling
+    assert again is not first and again.output_token_ids == [[5]] and again.generators == {0: states["r1"].generator}

@@ -97,10 +97,10 @@ def test_engine_with_packed_staging_matches(llama_model_dir):
     params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1)
     plain = llm.generate(prompts, params, use_tqdm=False)
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
-    runner.stager = HostStager("cpu", pack=True, pin=False)
+    runner.input_batch.stager = HostStager("cpu", pack=True, pin=False)
     packed = llm.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in packed] == [o.outputs[0].token_ids for o in plain]
-    assert runner.stager._host.numel() > 0
+    assert runner.input_batch.stager._host.numel() > 0
 
 
 @pytest.mark.skipif(not CUDA, reason="pinned memory and asynchronous copies need CUDA")
