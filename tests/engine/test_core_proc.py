@@ -209,20 +209,37 @@ def test_a_failed_io_thread_fails_the_loop(front):
 
 
 # ---------------------------------------------------------------------------------- grammar once
-def test_a_server_compiles_each_constraint_once(config, core, monkeypatch):
-    """Front end + engine, as in server mode (the msgspec round trip included): the API side's
-    400 check and the request itself share one compile, done by the engine."""
-    from pagedllm.engine import async_llm
+@pytest.fixture
+def compiles(monkeypatch) -> list[tuple[str, str]]:
+    """Every compile of any XgrammarBackend in this process, front end and engine alike."""
     from pagedllm.structured_output.xgrammar_backend import XgrammarBackend
 
-    compiles: list[tuple[str, str]] = []
+    seen: list[tuple[str, str]] = []
     real_compile = XgrammarBackend.compile
 
     def counting_compile(self, kind: str, spec: str):
-        compiles.append((kind, spec))
+        seen.append((kind, spec))
         return real_compile(self, kind, spec)
 
     monkeypatch.setattr(XgrammarBackend, "compile", counting_compile)
+    return seen
+
+
+def test_offline_compiles_each_constraint_once(llama_model_dir, compiles):
+    from pagedllm import LLM
+
+    llm = LLM(str(llama_model_dir), max_model_len=256)
+    params = SamplingParams(max_tokens=60, n=2, temperature=1.0, seed=5, structured_outputs={"json": PERSON})
+    for completion in llm.generate(["hi"], params)[0].outputs:
+        jsonschema.validate(json.loads(completion.text), PERSON)
+    assert len(compiles) == 1
+
+
+def test_a_server_compiles_each_constraint_once(config, core, compiles, monkeypatch):
+    """Front end + engine, as in server mode (the msgspec round trip included): the API side's
+    400 check and the request itself share one compile, done by the engine."""
+    from pagedllm.engine import async_llm
+
     monkeypatch.setattr(async_llm, "AsyncMPClient", _thread_client(core))
 
     async def main() -> None:
