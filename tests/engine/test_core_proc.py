@@ -294,3 +294,31 @@ def _thread_client(core: Any) -> type:
             return ThreadHandle(running)
 
     return ThreadClient
+
+
+def test_an_unknown_output_kind_is_logged_by_the_client(config, core, caplog):
+    def logged() -> bool:
+        return any("gossip" in r.getMessage() and r.levelno == logging.ERROR for r in caplog.records)
+
+    async def main() -> None:
+        client = _thread_client(core)(config)
+        ctx = zmq.Context()
+        rogue = ctx.socket(zmq.PUSH)
+        rogue.connect(client.output_addr)
+        try:
+            rogue.send_multipart([b"gossip", b"\xc0"])
+            deadline = time.monotonic() + 10
+            with caplog.at_level(logging.ERROR, logger="pagedllm.engine.core_client"):
+                while not logged() and time.monotonic() < deadline:
+                    assert await client.get_output(timeout=0.1) is None
+            assert logged()
+            ping = asyncio.ensure_future(client.call_utility("ping"))  # the client goes on
+            while not ping.done():
+                await client.get_output(timeout=0.1)
+            assert ping.result() == "pong"
+        finally:
+            rogue.close(linger=0)
+            ctx.term()
+            client.shutdown()
+
+    asyncio.run(main())
