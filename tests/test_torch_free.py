@@ -15,6 +15,8 @@ TORCH_FREE_MODULES = [
     "pagedllm.core.scheduler",
     "pagedllm.core.request_queue",
     "pagedllm.core.sched_output",
+    "pagedllm.core.step_plan",
+    "pagedllm.core.step_result",
     "pagedllm.kv_cache.manager",
     "pagedllm.request",
     "pagedllm.sampling_params",

@@ -36,9 +36,6 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_tracker = IterationStatsTracker()
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        # xgrammar (and torch, which it imports) + tokenizer info load while the engine process starts,
-        # not on the event loop's time at the first constrained request.
-        self.input_processor.grammar_compiler.warm_up()
         self.client = AsyncMPClient(config)
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue] = {}
@@ -105,10 +102,12 @@ class AsyncLLM:
         return queue
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
-        """Compile the request's constraint (cached) in a thread; ValueError if it is invalid or too
-        slow to compile. Returns without awaiting when there is none or it is cached."""
+        """Have the engine process compile the request's constraint (its one compile: the engine
+        keeps it for the request); ValueError if it is invalid or too slow to compile."""
         if params.structured_outputs is not None:
-            await self.input_processor.grammar_compiler.acheck(params.structured_outputs)
+            self._check_alive()
+            self._ensure_output_task()  # the verdict comes back with the outputs
+            await self.client.check_grammar(params.structured_outputs)
 
     def _fan_out(self, request: EngineCoreRequest, text: str | None, params: SamplingParams,
                  queue: asyncio.Queue) -> list[EngineCoreRequest]:

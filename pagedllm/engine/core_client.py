@@ -16,8 +16,11 @@ import zmq
 import zmq.asyncio
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.core_proc import UtilityResult, run_engine_core
-from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.engine.core_proc import run_engine_core
+from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
+                                      EngineCoreRequestType, UtilityResult)
+from pagedllm.sampling_params import StructuredOutputsParams
+from pagedllm.structured_output.compiler import GrammarTimeoutError
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +43,9 @@ class AsyncMPClient:
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(self.output_addr)
         self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(tuple[str, Any])
+        self.decoders = {EngineCoreOutputType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
+                         EngineCoreOutputType.UTILITY: msgspec.msgpack.Decoder(UtilityResult)}
+        self.grammar_timeout_s = config.structured_outputs_config.compile_timeout_s
         self.capacity: dict = {}
         self.proc = self._start_process(config)
         self._call_ids = itertools.count()
@@ -71,31 +76,55 @@ class AsyncMPClient:
     def is_alive(self) -> bool:
         return self.proc.is_alive()
 
-    async def _send(self, kind: str, payload: Any) -> None:
-        await self.input.send(self.encoder.encode((kind, payload)), copy=False)
+    async def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        await self.input.send_multipart([kind.value, self.encoder.encode(payload)], copy=False)
 
     async def add_request(self, request: EngineCoreRequest) -> None:
-        await self._send("add", request)
+        await self._send(EngineCoreRequestType.ADD, request)
 
     async def abort_requests(self, request_ids: list[str]) -> None:
         if request_ids:
-            await self._send("abort", list(request_ids))
+            await self._send(EngineCoreRequestType.ABORT, list(request_ids))
 
     async def call_utility(self, name: str, *args: Any) -> Any:
         """Run ``utility_<name>`` in the engine process between steps and return its result."""
+        call_id, future = self._new_call()
+        await self._send(EngineCoreRequestType.UTILITY, (call_id, name, list(args)))
+        return await future
+
+    async def check_grammar(self, params: StructuredOutputsParams) -> None:
+        """Have the engine compile ``params`` (off its busy loop): the one compile of a server's
+        constraint, which the engine keeps for the request that follows. ValueError (the front
+        end's 400) if it is invalid or does not compile within the time limit."""
+        call_id, future = self._new_call()
+        await self._send(EngineCoreRequestType.CHECK_GRAMMAR, (call_id, params))
+        try:
+            message = await asyncio.wait_for(future, self.grammar_timeout_s)
+        except asyncio.TimeoutError:
+            self._pending_calls.pop(call_id, None)  # a late verdict is dropped
+            raise GrammarTimeoutError(params.kind, self.grammar_timeout_s) from None
+        if message is not None:
+            raise ValueError(message)
+
+    def _new_call(self) -> tuple[int, asyncio.Future]:
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
         self._pending_calls[call_id] = future
-        await self._send("utility", (call_id, name, list(args)))
-        return await future
+        return call_id, future
 
     async def get_output(self, timeout: float) -> EngineCoreOutputs | None:
         """The next step's outputs, or None when nothing arrived within ``timeout`` seconds."""
         while await self.output.poll(timeout=int(timeout * 1000)):
-            kind, payload = self.decoder.decode(await self.output.recv())
-            if kind == "outputs":
-                return msgspec.convert(payload, EngineCoreOutputs)
-            self._resolve_utility(msgspec.convert(payload, UtilityResult))
+            frames = await self.output.recv_multipart(copy=False)
+            try:
+                kind = EngineCoreOutputType(frames[0].bytes)
+            except ValueError:
+                logger.error("unknown engine output kind %r; ignored", frames[0].bytes)
+                continue
+            payload = self.decoders[kind].decode(frames[1].buffer)
+            if kind is EngineCoreOutputType.OUTPUTS:
+                return payload
+            self._resolve_utility(payload)
         return None
 
     def _resolve_utility(self, reply: UtilityResult) -> None:

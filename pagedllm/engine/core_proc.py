@@ -1,74 +1,111 @@
-"""The engine core in its own process: a busy loop of (drain inputs, step, send outputs).
+"""The engine core in its own process: a busy loop of (take inputs, step, hand over outputs).
 
-Messages are msgspec-encoded over ZMQ. Inputs: (kind, payload) where kind is "add",
-"abort" or "utility". Outputs: ``EngineCoreOutputs``, or a utility reply.
+Socket I/O and (de)serialization run on two threads of their own, so they overlap the step:
+the input thread receives and msgspec-decodes each message into ``input_queue``; the output
+thread encodes and sends what the busy loop puts on ``output_queue``. The busy loop only moves
+Python objects. Each ZMQ socket is created, used and closed by its one thread. Messages are
+two frames, kind and payload (see ``engine/protocol.py``).
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import logging
 import os
+import queue
 import signal
-from typing import Any
+import threading
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.protocol import EngineCoreRequest
+from pagedllm.engine.protocol import EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType, UtilityResult
+from pagedllm.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pagedllm.engine.core import EngineCore
 
 logger = logging.getLogger(__name__)
 
+_IDLE_WAKE_S = 1.0  # an idle busy loop still wakes up this often
+_THREAD_POLL_MS = 100  # how often the input thread checks that it should stop
+_JOIN_S = 5.0
 
-class UtilityResult(msgspec.Struct, array_like=True):
-    call_id: int
-    result: Any = None
-    error: str | None = None
+# The payload type of each input kind: decoded straight into it, no second conversion.
+_PAYLOAD_TYPES: dict[EngineCoreRequestType, Any] = {
+    EngineCoreRequestType.ADD: EngineCoreRequest,
+    EngineCoreRequestType.ABORT: list[str],
+    EngineCoreRequestType.UTILITY: tuple[int, str, list],
+    EngineCoreRequestType.CHECK_GRAMMAR: tuple[int, StructuredOutputsParams],
+    EngineCoreRequestType.SHUTDOWN: Any,
+}
+
+
+class _ThreadFailed:
+    """Put on the input queue by an I/O thread that died, so the busy loop fails too."""
+
+    def __init__(self, name: str, exc: BaseException) -> None:
+        self.message = f"the engine's {name} thread failed: {type(exc).__name__}: {exc}"
+
+
+_STOP = object()  # output-queue sentinel
 
 
 class EngineCoreProc:
-    """Wraps an EngineCore with the socket loop."""
+    """Wraps an EngineCore with the socket threads and the busy loop."""
 
-    def __init__(self, config: EngineConfig, input_addr: str, output_addr: str) -> None:
-        from pagedllm.engine.core import EngineCore
-
-        self.core = EngineCore(config)
-        self.core.structured_output_manager.compiler.warm_up()
-        self.ctx = zmq.Context()
-        self.input = self.ctx.socket(zmq.PULL)
-        self.input.connect(input_addr)
-        self.output = self.ctx.socket(zmq.PUSH)
-        self.output.connect(output_addr)
-        self.encoder = msgspec.msgpack.Encoder()
+    def __init__(self, core: EngineCore, input_addr: str, output_addr: str) -> None:
+        self.core = core
         self.stats_dirty = False
-        self.poller = zmq.Poller()
-        self.poller.register(self.input, zmq.POLLIN)
+        self.input_queue: queue.Queue = queue.Queue()
+        self.output_queue: queue.Queue = queue.Queue()
+        self._ctx = zmq.Context()
+        self._stopping = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._guard, args=("input", self._input_loop, input_addr),
+                             name="pagedllm-engine-input", daemon=True),
+            threading.Thread(target=self._guard, args=("output", self._output_loop, output_addr),
+                             name="pagedllm-engine-output", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
 
+    # ------------------------------------------------------------------ busy loop
     def run(self) -> None:
-        while True:
-            self._drain_inputs(block=not self.core.has_unfinished_requests())
+        """Serve until a SHUTDOWN message; an exception (a failed step or I/O thread) ends it too."""
+        while self._process_input_queue(block=not self.core.has_unfinished_requests()):
             if self.core.has_unfinished_requests() or self.stats_dirty:
                 # A step with no work still reports fresh stats (e.g. after aborts emptied the engine).
                 self.stats_dirty = False
-                self._send(("outputs", self.core.step()))
+                self.output_queue.put((EngineCoreOutputType.OUTPUTS, self.core.step()))
 
-    def _drain_inputs(self, block: bool) -> None:
-        timeout = 1000 if block else 0  # ms; blocking waits still wake up to stay responsive
-        while self.poller.poll(timeout):
-            kind, payload = msgspec.msgpack.decode(self.input.recv())
+    def _process_input_queue(self, block: bool) -> bool:
+        """Handle every queued input (waiting for one when ``block``); False on SHUTDOWN."""
+        while True:
+            try:
+                item = self.input_queue.get(timeout=_IDLE_WAKE_S) if block else self.input_queue.get_nowait()
+            except queue.Empty:
+                return True
+            if isinstance(item, _ThreadFailed):
+                raise RuntimeError(item.message)
+            kind, payload = item
+            if kind is EngineCoreRequestType.SHUTDOWN:
+                return False
             self._handle(kind, payload)
-            timeout = 0
+            block = False
 
-    def _handle(self, kind: str, payload: Any) -> None:
-        if kind == "add":
-            self.core.add_request(msgspec.convert(payload, EngineCoreRequest))
-        elif kind == "abort":
+    def _handle(self, kind: EngineCoreRequestType, payload: Any) -> None:
+        if kind is EngineCoreRequestType.ADD:
+            self.core.add_request(payload)
+        elif kind is EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
             self.stats_dirty = True
-        elif kind == "utility":
+        elif kind is EngineCoreRequestType.UTILITY:
             self._utility(*payload)
-        elif kind == "shutdown":
-            raise SystemExit(0)
+        else:  # a kind the input thread queues but nobody handles: a bug, said loudly
+            logger.error("engine message kind %s has no handler; dropped", kind.name)
 
     def _utility(self, call_id: int, name: str, args: list) -> None:
         try:
@@ -76,10 +113,65 @@ class EngineCoreProc:
             reply = UtilityResult(call_id, result)
         except Exception as exc:  # reported to the caller, the loop goes on
             reply = UtilityResult(call_id, error=f"{type(exc).__name__}: {exc}")
-        self._send(("utility", reply))
+        self.output_queue.put((EngineCoreOutputType.UTILITY, reply))
 
-    def _send(self, message: tuple[str, Any]) -> None:
-        self.output.send(self.encoder.encode(message), copy=False)
+    # ------------------------------------------------------------------ I/O threads
+    def _guard(self, name: str, loop: Any, addr: str) -> None:
+        try:
+            loop(addr)
+        except Exception as exc:  # an engine that cannot talk must die visibly, not hang
+            logger.exception("engine %s thread failed", name)
+            self.input_queue.put(_ThreadFailed(name, exc))
+
+    def _input_loop(self, addr: str) -> None:
+        decoders = {kind: msgspec.msgpack.Decoder(t) for kind, t in _PAYLOAD_TYPES.items()}
+        sock = self._ctx.socket(zmq.PULL)
+        sock.connect(addr)
+        try:
+            while not self._stopping.is_set():
+                if sock.poll(_THREAD_POLL_MS):
+                    self._take_message(sock.recv_multipart(copy=False), decoders)
+        finally:
+            sock.close(linger=0)
+
+    def _take_message(self, frames: list, decoders: dict) -> None:
+        try:
+            kind = EngineCoreRequestType(frames[0].bytes)
+        except ValueError:
+            logger.error("unknown engine message kind %r (%d frames); ignored", frames[0].bytes, len(frames))
+            return
+        payload = decoders[kind].decode(frames[1].buffer) if len(frames) > 1 else None
+        if kind is EngineCoreRequestType.CHECK_GRAMMAR:
+            self._check_grammar(*payload)  # compiled off the busy loop; the reply skips it too
+        else:
+            self.input_queue.put((kind, payload))
+
+    def _check_grammar(self, call_id: int, params: StructuredOutputsParams) -> None:
+        """Start compiling; the verdict goes out when done. The engine compiler's cache keeps the
+        result, so the request that follows does not compile it again."""
+        future = self.core.structured_output_manager.compiler.submit(params)
+        future.add_done_callback(
+            lambda f: self.output_queue.put((EngineCoreOutputType.UTILITY, _grammar_verdict(call_id, f))))
+
+    def _output_loop(self, addr: str) -> None:
+        encoder = msgspec.msgpack.Encoder()
+        sock = self._ctx.socket(zmq.PUSH)
+        sock.connect(addr)
+        try:
+            while (item := self.output_queue.get()) is not _STOP:
+                kind, payload = item
+                sock.send_multipart([kind.value, encoder.encode(payload)], copy=False)
+        finally:
+            sock.close(linger=1000)  # what is already queued still goes out
+
+    def shutdown(self) -> None:
+        """Stop the I/O threads and close the context (the process exit does this for free)."""
+        self._stopping.set()
+        self.output_queue.put(_STOP)
+        for thread in self._threads:
+            thread.join(_JOIN_S)
+        if not any(thread.is_alive() for thread in self._threads):
+            self._ctx.term()
 
     # ------------------------------------------------------------------ utilities
     def utility_ping(self) -> str:
@@ -97,6 +189,18 @@ class EngineCoreProc:
                 "startup_seconds": self.core.startup_seconds}
 
 
+def _grammar_verdict(call_id: int, future: cf.Future) -> UtilityResult:
+    """A CHECK_GRAMMAR answer: result None (compiled) or the ValueError's message (invalid)."""
+    if future.cancelled():
+        return UtilityResult(call_id, error="CancelledError: the compile was cancelled")
+    exc = future.exception()
+    if exc is None:
+        return UtilityResult(call_id)
+    if isinstance(exc, ValueError):
+        return UtilityResult(call_id, result=str(exc))
+    return UtilityResult(call_id, error=f"{type(exc).__name__}: {exc}")
+
+
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready_conn: Any,
                     parent_pid: int) -> None:
     """Process entry point. Reports ready (or the start-up error) through ``ready_conn``."""
@@ -104,13 +208,20 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
     try:
-        proc = EngineCoreProc(config, input_addr, output_addr)
+        from pagedllm.engine.core import EngineCore
+
+        core = EngineCore(config)
+        core.structured_output_manager.compiler.warm_up()
+        proc = EngineCoreProc(core, input_addr, output_addr)
     except Exception as exc:
         ready_conn.send({"error": f"{type(exc).__name__}: {exc}"})
         raise SystemExit(1)
     ready_conn.send({"ok": True, **proc.utility_capacity()})
     ready_conn.close()
-    proc.run()
+    try:
+        proc.run()
+    finally:
+        proc.shutdown()
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -1,17 +1,45 @@
 """Messages between the front end (tokenize, detokenize, stop strings) and the engine core.
 
 They are msgspec structs so the same objects cross a ZMQ socket unchanged when the engine
-core runs in its own process.
+core runs in its own process. Over the socket every message is two frames: its kind (an
+``EngineCoreRequestType`` or ``EngineCoreOutputType`` value) and the msgpack payload.
 """
 
 from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import msgspec
 
 from pagedllm.sampling_params import SamplingParams
+
+
+class EngineCoreRequestType(enum.Enum):
+    """Front end -> engine process: what the payload frame holds."""
+
+    ADD = b"add"  # an EngineCoreRequest
+    ABORT = b"abort"  # list[str]: request ids
+    UTILITY = b"utility"  # (call_id, name, args): run EngineCoreProc.utility_<name>(*args) between steps
+    CHECK_GRAMMAR = b"check_grammar"  # (call_id, StructuredOutputsParams): compile, answer with a UtilityResult
+    SHUTDOWN = b"shutdown"  # empty: leave the busy loop
+
+
+class EngineCoreOutputType(enum.Enum):
+    """Engine process -> front end: what the payload frame holds."""
+
+    OUTPUTS = b"outputs"  # EngineCoreOutputs of one step
+    UTILITY = b"utility"  # a UtilityResult
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    """The answer to a UTILITY or CHECK_GRAMMAR call. ``error``: the call itself failed. For
+    CHECK_GRAMMAR, ``result`` is None when the constraint compiled, else why it is invalid."""
+
+    call_id: int
+    result: Any = None
+    error: str | None = None
 
 
 class FinishReason(enum.IntEnum):

@@ -1,9 +1,11 @@
 """Grammar compilation off the caller's thread: a small thread pool, a cache keyed by the
 constraint, a time limit (torch-free; the backend is built lazily in a pool thread).
 
-One ``GrammarCompiler`` serves a process: the front end uses ``check``/``acheck`` to reject a bad
-or too-slow constraint before a request reaches the engine; the engine core uses ``submit`` and
-polls the future from its step loop, so compiling never blocks a step.
+One ``GrammarCompiler`` serves an engine: offline, the front end's ``check`` rejects a bad or
+too-slow constraint before the request reaches the in-process engine core, which shares the
+compiler; in server mode the engine process's compiler answers the front end's ``check_grammar``
+message. The engine core uses ``submit`` and polls the future from its step loop, so compiling
+never blocks a step, and the cache means a checked constraint is not compiled again.
 """
 
 from __future__ import annotations
