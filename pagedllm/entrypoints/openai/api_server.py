@@ -9,7 +9,6 @@ signals, drain, the engine watchdog, exit codes) is ``server_process.py``.
 from __future__ import annotations
 
 import argparse
-import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -28,8 +27,6 @@ from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.metrics.prometheus import PrometheusStatLogger
-
-logger = logging.getLogger(__name__)
 
 ROUTERS = (completions.router, chat.router, tokenize.router, models.router, system.router)
 
