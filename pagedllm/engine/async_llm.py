@@ -16,8 +16,8 @@ from typing import Any, AsyncIterator
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import AsyncMPClient, EngineDeadError
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
-from pagedllm.engine.protocol import EngineCoreRequest, SchedulerStats
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.metrics.stats import IterationStats, IterationStatsTracker, StatLogger
 from pagedllm.outputs import RequestOutput
@@ -90,7 +90,7 @@ class AsyncLLM:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._ensure_output_task()
-        children = self._fan_out(request, text, params, queue)
+        children = self.output_processor.fan_out(request, text, queue=queue)
         try:
             for child in children:
                 self.stats_tracker.add_request(child.request_id, child.arrival_time, len(child.prompt_token_ids))
@@ -109,18 +109,6 @@ class AsyncLLM:
             self._ensure_output_task()  # the verdict comes back with the outputs
             await self.client.check_grammar(params.structured_outputs)
 
-    def _fan_out(self, request: EngineCoreRequest, text: str | None, params: SamplingParams,
-                 queue: asyncio.Queue) -> list[EngineCoreRequest]:
-        if params.n == 1:
-            self.output_processor.add_request(request, text, queue=queue)
-            return [request]
-        parent = ParentRequest(request.request_id, params.n, params.output_kind, text,
-                               request.prompt_token_ids, request.arrival_time)
-        children = [ParentRequest.child_request(request, i) for i in range(params.n)]
-        for i, child in enumerate(children):
-            self.output_processor.add_request(child, text, parent, i, queue=queue)
-        return children
-
     async def abort(self, request_id: str) -> None:
         """Abort a request (and its children): its KV blocks return to the pool at once."""
         core_ids = self.output_processor.abort_requests([request_id])
@@ -137,6 +125,7 @@ class AsyncLLM:
             raise self.dead_error
         if not self.client.is_alive:
             self._mark_dead()
+            assert self.dead_error is not None  # _mark_dead sets it
             raise self.dead_error
 
     # ------------------------------------------------------------------ output handling

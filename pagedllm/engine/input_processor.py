@@ -21,6 +21,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.arch.vocab_size
+        self.scheduling_policy = config.scheduler_config.policy
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None and config.model_config.arch.eos_token_ids:
             self.eos_token_id = config.model_config.arch.eos_token_ids[0]
@@ -48,6 +49,7 @@ class InputProcessor:
         """Validate and build the core request. ``strict_max_tokens``: too-long max_tokens is an
         error (the server's behaviour) instead of being capped by max_model_len. ``check_grammar``:
         compile a structured-output constraint here, blocking (async callers use ``acheck``)."""
+        self._check_priority(priority)
         if check_grammar and params.structured_outputs is not None:
             self.grammar_compiler.check(params.structured_outputs)
         text, token_ids = self.tokenize(prompt)
@@ -57,6 +59,13 @@ class InputProcessor:
                                     arrival_time if arrival_time is not None else time.monotonic(),
                                     priority, cache_salt)
         return request, text
+
+    def _check_priority(self, priority: int) -> None:
+        """A priority the scheduler would ignore is an error, offline and on the server alike."""
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(f"priority {priority} needs the priority scheduler, but this engine schedules "
+                             f"{self.scheduling_policy}: start it with --scheduling-policy priority "
+                             "(LLM(..., scheduling_policy='priority')), or leave priority at 0")
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:

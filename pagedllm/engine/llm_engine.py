@@ -8,7 +8,7 @@ from typing import Any
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -35,20 +35,9 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                     arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
         """Validate, tokenize and queue one request (n > 1 fans out into n child requests)."""
-        if priority and self.config.scheduler_config.policy != "priority":
-            raise ValueError("priority is only honoured with scheduling_policy='priority'")
         request, text = self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt)
-        if params.n == 1:
-            self._add(request, text)
-            return
-        parent = ParentRequest(request_id, params.n, params.output_kind, text, request.prompt_token_ids,
-                               request.arrival_time)
-        for index in range(params.n):
-            self._add(ParentRequest.child_request(request, index), text, parent, index)
-
-    def _add(self, request, text: str | None, parent: ParentRequest | None = None, index: int = 0) -> None:
-        self.output_processor.add_request(request, text, parent, index)
-        self.engine_core.add_request(request)
+        for core_request in self.output_processor.fan_out(request, text):
+            self.engine_core.add_request(core_request)
 
     def abort_request(self, request_ids: list[str]) -> None:
         ids = self.output_processor.abort_requests(request_ids)

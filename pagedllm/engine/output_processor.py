@@ -14,10 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-import msgspec
-
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from pagedllm.engine.logprobs import LogprobsProcessor
+from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
 from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from pagedllm.sampling_params import RequestOutputKind
@@ -30,75 +29,6 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 class OutputProcessorOutput:
     request_outputs: list[RequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)  # finished here by a stop string
-
-
-class ParentRequest:
-    """A request with n > 1: the caller fans it out into n child requests (one per sample),
-    and this gathers the children's outputs into one ``RequestOutput`` under the parent id."""
-
-    def __init__(
-        self,
-        request_id: str,
-        n: int,
-        output_kind: RequestOutputKind,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        arrival_time: float | None = None,
-    ) -> None:
-        self.request_id = request_id
-        self.n = n
-        self.output_kind = output_kind
-        self.prompt = prompt
-        self.prompt_token_ids = prompt_token_ids
-        self.metrics = RequestMetrics(arrival_time or time.monotonic())
-        self.running: set[str] = set()  # child ids not yet finished or aborted
-        self.num_done = 0
-        self.latest: dict[int, CompletionOutput] = {}  # by index; unused for DELTA
-        self.num_cached_tokens = 0
-        self.prompt_logprobs: PromptLogprobs | None = None
-        self.prompt_logprobs_sent = False
-        self.queue: Any = None
-
-    @staticmethod
-    def child_request(request: EngineCoreRequest, index: int) -> EngineCoreRequest:
-        """Child ``index`` of a request: id ``f"{index}_{parent_id}"``, n=1, its own seed."""
-        params = request.sampling_params.clone(n=1, best_of=None)
-        if params.seed is not None:
-            params.seed += index  # same seed in every child would give n identical samples
-        child_id = f"{index}_{request.request_id}"
-        return msgspec.structs.replace(request, request_id=child_id, sampling_params=params)
-
-    @property
-    def finished(self) -> bool:
-        return self.num_done == self.n
-
-    def child_done(self, child_id: str) -> None:
-        self.running.discard(child_id)
-        self.num_done += 1
-
-    def take_prompt_logprobs(self, from_child: PromptLogprobs | None) -> PromptLogprobs | None:
-        """All children share the prompt: report the first child's prompt logprobs."""
-        if self.output_kind == DELTA:
-            if self.prompt_logprobs_sent or from_child is None:
-                return None
-            self.prompt_logprobs_sent = True
-            return from_child
-        if self.prompt_logprobs is None:
-            self.prompt_logprobs = from_child
-        return self.prompt_logprobs
-
-    def make_aggregate_output(self) -> RequestOutput:
-        """The latest output of every child seen so far, in index order."""
-        outputs = [self.latest[index] for index in sorted(self.latest)]
-        return self.make_output(outputs, self.prompt_logprobs)
-
-    def make_output(
-        self, outputs: list[CompletionOutput], prompt_logprobs: PromptLogprobs | None
-    ) -> RequestOutput:
-        return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, outputs,
-            self.finished, dataclasses.replace(self.metrics), self.num_cached_tokens,
-        )
 
 
 class RequestState:
@@ -198,6 +128,20 @@ class OutputProcessor:
             parent.running.add(request.request_id)
             parent.queue = queue if queue is not None else parent.queue
             self.parents[parent.request_id] = parent
+
+    def fan_out(self, request: EngineCoreRequest, prompt: str | None, queue: Any = None) -> list[EngineCoreRequest]:
+        """Track a new request; n > 1 fans out into n child requests under one ``ParentRequest``
+        (the one place both LLMEngine and AsyncLLM do it). Returns what to send to the core."""
+        n = request.sampling_params.n
+        if n == 1:
+            self.add_request(request, prompt, queue=queue)
+            return [request]
+        parent = ParentRequest(request.request_id, n, request.sampling_params.output_kind, prompt,
+                               request.prompt_token_ids, request.arrival_time)
+        children = [ParentRequest.child_request(request, index) for index in range(n)]
+        for index, child in enumerate(children):
+            self.add_request(child, prompt, parent, index, queue=queue)
+        return children
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.request_states)

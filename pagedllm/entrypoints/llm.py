@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from pagedllm.config import EngineArgs
 from pagedllm.demo.demo_model import with_demo_model
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
+from pagedllm.entrypoints.chat_utils import render_chat_ids
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
@@ -50,21 +51,19 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, **template_kwargs: Any) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a batch, then generate."""
-        batch = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self._render_chat(c, chat_template, add_generation_prompt, template_kwargs)}
-                   for c in batch]
-        return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _render_chat(self, conversation: Conversation, template: str | None, add_generation_prompt: bool,
-                     template_kwargs: dict) -> list[int]:
+             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
+             continue_final_message: bool = False, **template_kwargs: Any) -> list[RequestOutput]:
+        """Render one conversation or a batch with the chat template (the tokenizer's, or
+        ``chat_template``), as the server's chat route does (``chat_utils.render_chat``), then
+        generate. ``tools`` and ``template_kwargs`` go to the template."""
+        one = bool(messages) and isinstance(messages[0], dict)
+        batch = [cast(Conversation, messages)] if one else list(cast(Sequence[Conversation], messages))
         tokenizer = self.get_tokenizer()
-        if template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this tokenizer has no chat template; pass chat_template=...")
-        ids = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=True,
-                                            add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        prompts = [{"prompt_token_ids": render_chat_ids(
+            tokenizer, conversation, chat_template=chat_template, tools=tools, chat_template_kwargs=template_kwargs,
+            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)}
+            for conversation in batch]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         finished: dict[str, RequestOutput] = {}

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from pagedllm.engine.logprobs import LogprobsProcessor
-from pagedllm.engine.output_processor import OutputProcessor, ParentRequest
+from pagedllm.engine.output_processor import OutputProcessor
+from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.protocol import (
     EngineCoreOutput,
     EngineCoreRequest,
@@ -224,6 +225,25 @@ def test_parent_delta_streams_each_child(processor, tokenizer) -> None:
     step = run(processor, [out("2_p", ids, done), out("0_p", ids, done)])
     assert [r.finished for r in step] == [False, True]
     assert step[1].outputs[0].text == "fox"  # only the new text
+
+
+def test_fan_out_is_the_one_n_gt_1_path(processor, tokenizer) -> None:
+    """What LLMEngine and AsyncLLM both send to the core: n children under one parent, or the
+    request itself for n == 1."""
+    single = make_request("s", [0, 5])
+    assert processor.fan_out(single, "prompt") == [single]
+    assert not processor.parents and "s" in processor.request_states
+    queue: asyncio.Queue = asyncio.Queue()
+    children = processor.fan_out(make_request("p", [0, 5], n=3, seed=7, output_kind=FINAL_ONLY), "prompt", queue)
+    assert [c.request_id for c in children] == ["0_p", "1_p", "2_p"]
+    assert [(c.sampling_params.n, c.sampling_params.seed) for c in children] == [(1, 7), (1, 8), (1, 9)]
+    parent = processor.parents["p"]
+    assert parent.n == 3 and parent.running == {"0_p", "1_p", "2_p"} and parent.queue is queue
+    ids = encode(tokenizer, "fox")
+    run(processor, [out(c.request_id, ids, FinishReason.LENGTH) for c in children])
+    final = queue.get_nowait()
+    assert final.request_id == "p" and final.finished and [c.index for c in final.outputs] == [0, 1, 2]
+    assert processor.abort_requests(["s"]) == ["s"] and not processor.has_unfinished_requests()
 
 
 # ---------------------------------------------------------------------------- delivery, abort

@@ -112,7 +112,31 @@ def test_chat_batch(llm):
     assert all(len(o.outputs[0].token_ids) == 6 for o in outputs)
 
 
+def test_chat_renders_with_the_shared_renderer(llm):
+    from pagedllm.entrypoints.chat_utils import render_chat_ids
+
+    template = ("{{- bos_token -}}{%- if tools -%}{{- 'tools: ' + tools[0]['function']['name'] + '\\n' -}}{%- endif -%}"
+                "{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + '\\n' -}}{%- endfor -%}"
+                "{{- tail | default('') -}}")
+    tools = [{"type": "function", "function": {"name": "lookup"}}]
+    outputs = llm.chat(CONVERSATION, GREEDY, use_tqdm=False, chat_template=template, tools=tools, tail="A:")
+    expected = render_chat_ids(llm.get_tokenizer(), CONVERSATION, chat_template=template, tools=tools,
+                               chat_template_kwargs={"tail": "A:"})
+    assert outputs[0].prompt_token_ids == expected
+    assert llm.get_tokenizer().decode(expected).endswith("tools: lookup\nsystem: Be brief.\nuser: What is Paris?\nA:")
+    with pytest.raises(ValueError, match="chat_template_kwargs must not set"):
+        llm.chat(CONVERSATION, GREEDY, use_tqdm=False, return_dict=True)
+
+
 # ------------------------------------------------------------------ invalid input
+def test_priority_under_fcfs_is_a_value_error(llm):
+    with pytest.raises(ValueError, match="--scheduling-policy priority"):
+        llm.generate(TEXTS, GREEDY, use_tqdm=False, priority=[0, 1, 0])
+    _assert_idle_and_intact(llm)
+    assert len(llm.generate(TEXTS[0], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids) == 6
+
+
+
 @pytest.mark.parametrize("prompt, params, match", [
     ({"prompt_token_ids": []}, GREEDY, "prompt is empty"),
     ([], GREEDY, "prompt is empty"),

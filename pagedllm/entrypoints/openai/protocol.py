@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pagedllm.entrypoints.chat_utils import render_chat_ids
 from pagedllm.entrypoints.openai.errors import RequestParamError
 from pagedllm.entrypoints.openai.structured import ChatTool, NamedToolChoice, StructuredRequestMixin, ToolChoice
 from pagedllm.entrypoints.openai.tool_calls import tool_choice_schema
@@ -131,16 +132,40 @@ class _SamplingRequest(OpenAIBaseModel, StructuredRequestMixin):
         return kwargs
 
 
-class ChatCompletionRequest(_SamplingRequest):
+class ChatTemplateRequest(OpenAIBaseModel):
+    """What renders a conversation, shared by chat completions and ``/tokenize`` so both render it
+    with the same function from the same fields (their ids agree)."""
+
     messages: list[ChatMessage]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None  # default: "auto" with tools, else "none"
+
+    @property
+    def effective_tool_choice(self) -> str | NamedToolChoice:
+        """"none", "auto", "required" or a named function (OpenAI's defaults)."""
+        if not self.tools:
+            return "none"
+        return "auto" if self.tool_choice is None else self.tool_choice
+
+    def render_chat_ids(self, tokenizer: Any, chat_template: str | None, add_special_tokens: bool = False) -> list[int]:
+        """The conversation as prompt ids (``chat_utils.render_chat_ids``); tool_choice "none"
+        leaves the tools out of the template."""
+        tools = None
+        if self.effective_tool_choice != "none":
+            tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
+        return render_chat_ids(tokenizer, [m.to_template_dict() for m in self.messages], chat_template=chat_template,
+                               tools=tools, chat_template_kwargs=self.chat_template_kwargs,
+                               add_generation_prompt=self.add_generation_prompt,
+                               add_special_tokens=add_special_tokens)
+
+
+class ChatCompletionRequest(_SamplingRequest, ChatTemplateRequest):
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = True
 
     @field_validator("messages")
@@ -155,13 +180,6 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
-
-    @property
-    def effective_tool_choice(self) -> str | NamedToolChoice:
-        """"none", "auto", "required" or a named function (OpenAI's defaults)."""
-        if not self.tools:
-            return "none"
-        return "auto" if self.tool_choice is None else self.tool_choice
 
     def check_tool_choice(self) -> None:
         """RequestParamError (param tool_choice) for a choice the tools cannot satisfy."""
@@ -220,8 +238,8 @@ class CompletionRequest(_SamplingRequest):
         """The prompt as a list of single prompts (a string or a list of token ids each)."""
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]
-        return list(prompt)
+            return [prompt]  # type: ignore[list-item]  # a list whose first item is an int: token ids
+        return list(prompt)  # type: ignore[arg-type]  # list[str] | list[list[int]]
 
     def to_sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -231,6 +249,27 @@ class CompletionRequest(_SamplingRequest):
 
     def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
         return self.structured_outputs_params()
+
+
+class TokenizeRequest(ChatTemplateRequest):
+    """POST /tokenize: a ``prompt``, or chat ``messages`` (with the chat fields: tools,
+    chat_template_kwargs, ...) rendered exactly as a chat completion renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None  # type: ignore[assignment]  # optional here
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+
+    def check_input(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestParamError("pass exactly one of 'prompt' (a string) or 'messages' (a chat)", "prompt")
+
+
+class DetokenizeRequest(OpenAIBaseModel):
+    """POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -1,4 +1,5 @@
-"""``pagedllm serve``'s process lifecycle: bind, start the engine process, run uvicorn, drain.
+"""``pagedllm serve``'s process supervision: bind, start the engine process, run uvicorn, watch
+the engine, handle signals, drain.
 
 Exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
 1 if the engine process died, 2 on start-up errors.
@@ -12,10 +13,16 @@ import logging
 from typing import Any
 
 import pagedllm
-from pagedllm.entrypoints.openai.api_server import ServerOptions, ServerState, build_app
+from pagedllm.entrypoints.openai.api_server import build_app
+from pagedllm.entrypoints.openai.engine_client import EngineClient
+from pagedllm.entrypoints.openai.server_options import ServerOptions
+from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 logger = logging.getLogger(__name__)
+
+WATCHDOG_INTERVAL_S = 0.2  # how often the front end checks that the engine process is alive
+DEAD_ENGINE_GRACE_S = 2.0  # after engine death, in-flight connections get this long to close
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -49,21 +56,41 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, config: Any, 
         engine.shutdown()
         raise
     state: ServerState = app.state.server_state
+    watchdog = None
     try:
         server = uvicorn.Server(uvicorn.Config(
             app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
-        state.server = server
         _print_startup(engine, options, args)
         _install_signal_handlers(server)
+        watchdog = asyncio.create_task(watch_engine(state, server))
         await server.serve(sockets=[sock])
     finally:
+        if watchdog is not None:
+            watchdog.cancel()
         state.stop_engine()  # normally the lifespan has done this already
     logger.info("server stopped (exit code %d)", state.exit_code)
     return state.exit_code
 
 
-def _start_engine(config: Any, options: ServerOptions) -> Any:
+async def watch_engine(state: ServerState, server: Any) -> None:
+    """Engine death: fail in-flight requests, report not-ready, stop ``server`` (a uvicorn.Server)
+    with exit code 1. An engine shut down on purpose (the app stopping) is not a death."""
+    while state.engine.is_running:
+        await asyncio.sleep(WATCHDOG_INTERVAL_S)
+    if state.engine_stopped:
+        return
+    state.engine_dead = True
+    state.exit_code = 1
+    try:
+        await state.engine.check_health()  # marks the engine dead: waiting clients get EngineDeadError
+    except Exception as exc:
+        logger.error("the engine core is gone (%s); shutting the server down", exc)
+    server.config.timeout_graceful_shutdown = min(server.config.timeout_graceful_shutdown or 0, DEAD_ENGINE_GRACE_S)
+    server.should_exit = True
+
+
+def _start_engine(config: Any, options: ServerOptions) -> EngineClient:
     import sys
 
     from pagedllm.engine.async_llm import AsyncLLM
@@ -107,7 +134,7 @@ def _install_signal_handlers(server: Any) -> None:
         signal.signal(sig, stop)
 
 
-def _print_startup(engine: Any, options: ServerOptions, args: argparse.Namespace) -> None:
+def _print_startup(engine: EngineClient, options: ServerOptions, args: argparse.Namespace) -> None:
     mc = engine.config.model_config
     cap = engine.capacity
     host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host

@@ -2,51 +2,47 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any, AsyncIterator, Iterable
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.errors import RequestParamError
-from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedllm.entrypoints.openai.engine_client import EngineClient
+from pagedllm.entrypoints.openai.errors import RequestParamError, value_error_response
+from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatTemplateRequest
+from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, OutputStream, UsageCounter, clamp_logprob,
-                                                        now_s, random_id, sse, token_text, value_error_response)
+                                                        now_s, random_id, sse, token_text)
 from pagedllm.entrypoints.openai.tool_calls import NamedToolCall, RequiredToolCalls, ToolCallExtractor
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
-
-# Keys the handler sets itself; chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_KWARGS = {"conversation", "tokenize", "chat_template", "add_generation_prompt",
-                             "return_dict", "return_tensors", "padding", "truncation", "max_length"}
 
 
 class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
 
-    def __init__(self, engine: Any, served_model_names: list[str], chat_template: str | None = None,
+    def __init__(self, engine: EngineClient, models: ServedModels, chat_template: str | None = None,
                  tool_call_parser: str | None = None) -> None:
-        """``tool_call_parser``: how ``tool_choice: "auto"`` finds calls in the text (None: "auto"
-        is refused, as vLLM does without --enable-auto-tool-choice)."""
-        super().__init__(engine, served_model_names)
-        self.chat_template = _load_template(chat_template)
+        """``chat_template``: the template itself (``--chat-template`` already read), None: the
+        tokenizer's. ``tool_call_parser``: how ``tool_choice: "auto"`` finds calls in the text
+        (None: "auto" is refused, as vLLM does without --enable-auto-tool-choice)."""
+        super().__init__(engine, models)
+        self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
 
-    async def create_chat_completion(self, body: dict, raw_request: Request) -> Response:
-        request, error = self.parse(body, ChatCompletionRequest)
-        if error is not None:
-            return error
+    async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        request.model = self.models.check(request.model)
         try:
             params = request.to_sampling_params()
             self._check_auto_tools(request)
             prompt_ids = self.render(request)
             await self.check_constraint(params, request.constraint()[1])
         except ValueError as exc:
-            return value_error_response(exc, body, self.prompt_param)
+            return value_error_response(exc, request, self.prompt_param)
         request_id = random_id("chatcmpl")
         stream = self.start([{"prompt_token_ids": prompt_ids}], params, request_id, request)
         shape = _ChatShape(request, request_id, self.tool_call_parser)
-        return await self.respond(stream, raw_request, body, bool(request.stream), shape.events, shape.body)
+        return await self.respond(stream, raw_request, request, bool(request.stream), shape.events, shape.body)
 
     def _check_auto_tools(self, request: ChatCompletionRequest) -> None:
         if request.effective_tool_choice == "auto" and self.tool_call_parser is None:
@@ -54,33 +50,10 @@ class OpenAIServingChat(OpenAIServing):
                                     'with --enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice '
                                     '"required", "none" or a named function', "tool_choice")
 
-    def render(self, request: ChatCompletionRequest) -> list[int]:
-        """The conversation as prompt token ids; the rendered template already holds BOS."""
-        tokenizer = self.engine.tokenizer
-        if self.chat_template is None and not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model's tokenizer has no chat template; start the server with "
-                             "--chat-template, or use /v1/completions")
-        kwargs = dict(request.chat_template_kwargs or {})
-        reserved = sorted(kwargs.keys() & _RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise ValueError(f"chat_template_kwargs must not set {reserved}")
-        messages = [message.to_template_dict() for message in request.messages]
-        if request.effective_tool_choice != "none":
-            kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in request.tools]
-        try:
-            ids = tokenizer.apply_chat_template(messages, tokenize=True, chat_template=self.chat_template,
-                                                add_generation_prompt=request.add_generation_prompt, **kwargs)
-        except Exception as exc:  # template errors (jinja raise_exception, bad kwargs) are the client's
-            raise ValueError(f"messages could not be rendered with the chat template: {exc}") from exc
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def _load_template(template: str | None) -> str | None:
-    """--chat-template is a file path or the template itself (as in vLLM)."""
-    if template and len(template) < 4096 and os.path.isfile(template):
-        with open(template, encoding="utf-8") as f:
-            return f.read()
-    return template
+    def render(self, request: ChatTemplateRequest) -> list[int]:
+        """The conversation as the prompt ids this handler sends (``/tokenize`` renders with the
+        same function); the rendered template already holds BOS."""
+        return request.render_chat_ids(self.engine.tokenizer, self.chat_template)
 
 
 class _ChatShape:
@@ -98,8 +71,11 @@ class _ChatShape:
         if choice == "none" or (choice == "auto" and self.tool_call_parser is None):
             return None
         if choice == "auto":
+            assert self.tool_call_parser is not None  # checked just above
             return TOOL_PARSERS[self.tool_call_parser]()
-        return RequiredToolCalls() if choice == "required" else NamedToolCall(choice.function.name)
+        if isinstance(choice, str):
+            return RequiredToolCalls()  # "required"
+        return NamedToolCall(choice.function.name)
 
     def body(self, outputs: dict[int, RequestOutput]) -> dict:
         output = outputs[0]

@@ -1,5 +1,5 @@
-"""Helpers shared by the chat and completion handlers: ids, errors, usage, SSE, engine streams,
-client-disconnect handling, the handler base class.
+"""Helpers shared by the chat and completion handlers: ids, usage, SSE, engine streams,
+client-disconnect handling, the handler base class (errors are in ``errors.py``).
 
 Engine generators are always driven by tasks of our own (``OutputStream``), never directly by
 the HTTP handler or the response body: when a client goes away the server cancels those, and
@@ -12,17 +12,19 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import re
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncIterator, Callable, Coroutine
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
+from pydantic import BaseModel
 
 from pagedllm.engine.core_client import EngineDeadError
-from pagedllm.entrypoints.openai.errors import RequestParamError, error_body, error_response
+from pagedllm.entrypoints.openai.engine_client import EngineClient
+from pagedllm.entrypoints.openai.errors import (RequestParamError, error_body, server_error_response,
+                                                value_error_response)
+from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.outputs import Logprob, RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -30,8 +32,6 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.1  # how often a non-streaming handler checks that its client is still there
 SSE_DONE = "data: [DONE]\n\n"
 _MIN_LOGPROB = -9999.0
-_TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}
-T = TypeVar("T")
 _background: set[asyncio.Task] = set()  # strong refs: the loop keeps only weak ones
 
 
@@ -45,71 +45,6 @@ def random_id(prefix: str) -> str:
 
 def now_s() -> int:
     return int(time.time())
-
-
-# ---------------------------------------------------------------------------------- errors
-def check_model(requested: str | None, served: list[str]) -> tuple[str, Response | None]:
-    """The model name to report, or a 404 for a name this server does not serve."""
-    if requested is None or requested in served:
-        return requested or served[0], None
-    return requested, error_response(f"The model `{requested}` does not exist.", 404, "model")
-
-
-def validation_error_response(exc: ValidationError, body: Any) -> JSONResponse:
-    """A pydantic error as a 400 naming the offending parameter."""
-    errors = exc.errors(include_url=False)
-    first = ([e for e in errors if e["type"] == "value_error"] or errors)[0]
-    param = _param_from_loc(first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    if not param:  # a model-level check: its message starts with the field it is about
-        param = _param_from_message(message, body)
-    elif first["type"] != "value_error":
-        message = _type_error_message(first, [e for e in errors if e["loc"][:1] == first["loc"][:1]], body)
-    return error_response(message, 400, param)
-
-
-def _type_error_message(first: dict, same_field: list[dict], body: Any) -> str:
-    """'temperature: Input should be a valid number, got 'hot''; for a union (every branch
-    failed), the whole value and the accepted shapes."""
-    branches = sorted({str(e["loc"][1]) for e in same_field if len(e["loc"]) > 1 and isinstance(e["loc"][1], str)})
-    if len(same_field) > 1 and branches:
-        value = body.get(first["loc"][0]) if isinstance(body, dict) else first["input"]
-        return f"{first['loc'][0]}: invalid value {_short_repr(value)}; expected one of: {', '.join(branches)}"
-    return f"{_param_from_loc(first['loc'])}: {first['msg']}, got {_short_repr(first['input'])}"
-
-
-def value_error_response(exc: ValueError, body: Any, prompt_param: str) -> JSONResponse:
-    """An engine/SamplingParams ValueError as a 400; the message says what to change."""
-    message = str(exc)
-    param = exc.param if isinstance(exc, RequestParamError) else _param_from_message(message, body)
-    if param is None:
-        param = "max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message else None
-    if param == "max_tokens" and isinstance(body, dict) and body.get("max_completion_tokens") is not None:
-        param = "max_completion_tokens"  # chat's newer name for it
-    return error_response(message, 400, param)
-
-
-def server_error_response(exc: Exception) -> JSONResponse:
-    if not isinstance(exc, EngineDeadError):
-        logger.exception("request failed", exc_info=exc)
-    return error_response(f"{type(exc).__name__}: {exc}", 500)
-
-
-def _param_from_loc(loc: tuple) -> str | None:
-    parts = [str(p) for p in loc if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_NAMES)]
-    return ".".join(parts) or None
-
-
-def _param_from_message(message: str, body: Any) -> str | None:
-    """'temperature must be >= 0' -> 'temperature' (only names the request could carry)."""
-    match = re.match(r"(\w+) ", message)
-    known = {"max_tokens", "logprobs", "prompt_logprobs"} | (set(body) if isinstance(body, dict) else set())
-    return match.group(1) if match and match.group(1) in known else None
-
-
-def _short_repr(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------------------------- usage
@@ -203,14 +138,14 @@ class OutputStream:
             task.cancel()
 
 
-def _spawn(coro: Awaitable[Any]) -> asyncio.Task:
+def _spawn(coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
     task = asyncio.get_running_loop().create_task(coro)
     _background.add(task)
     task.add_done_callback(_background.discard)
     return task
 
 
-async def until_disconnected(awaitable: Awaitable[Any], raw_request: Request) -> Any:
+async def until_disconnected(awaitable: Coroutine[Any, Any, Any], raw_request: Request) -> Any:
     """Await in a task while watching the client; raise ClientDisconnected (the task cancelled)
     when it hangs up, so its request is aborted within about one poll interval."""
     task = _spawn(awaitable)
@@ -267,19 +202,9 @@ class OpenAIServing:
 
     prompt_param = "prompt"  # the field a prompt-length error names
 
-    def __init__(self, engine: Any, served_model_names: list[str]) -> None:
+    def __init__(self, engine: EngineClient, models: ServedModels) -> None:
         self.engine = engine
-        self.served_model_names = list(served_model_names)
-
-    def parse(self, body: Any, model_cls: type[T]) -> tuple[T | None, Response | None]:
-        """The request model and the model name, or the 400/404 to send back."""
-        try:
-            request = model_cls.model_validate(body)
-        except ValidationError as exc:
-            return None, validation_error_response(exc, body)
-        model, error = check_model(request.model, self.served_model_names)
-        request.model = model
-        return request, error
+        self.models = models
 
     async def check_constraint(self, params: Any, param: str | None) -> None:
         """Compile the request's output constraint before anything streams: an invalid one, or one
@@ -297,7 +222,7 @@ class OpenAIServing:
 
         return OutputStream([generate(i, p) for i, p in enumerate(prompts)])
 
-    async def respond(self, stream: OutputStream, raw_request: Request, body: Any, streaming: bool,
+    async def respond(self, stream: OutputStream, raw_request: Request, request: BaseModel, streaming: bool,
                       make_events: Callable[[OutputStream], AsyncIterator[str]],
                       make_body: Callable[[dict[int, RequestOutput]], dict]) -> Response:
         """Stream SSE events or collect the outputs for one JSON body; map failures to errors."""
@@ -312,7 +237,7 @@ class OpenAIServing:
         except ClientDisconnected:
             return Response(status_code=499)
         except ValueError as exc:
-            return value_error_response(exc, body, self.prompt_param)
+            return value_error_response(exc, request, self.prompt_param)
         except Exception as exc:
             return server_error_response(exc)
         finally:

@@ -7,28 +7,27 @@ from typing import Any, AsyncIterator, Iterable
 from fastapi import Request
 from fastapi.responses import Response
 
+from pagedllm.entrypoints.openai.errors import value_error_response
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
 from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, OutputStream, UsageCounter, clamp_logprob,
-                                                        now_s, random_id, sse, token_text, value_error_response)
+                                                        now_s, random_id, sse, token_text)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
 class OpenAIServingCompletion(OpenAIServing):
     prompt_param = "prompt"
 
-    async def create_completion(self, body: dict, raw_request: Request) -> Response:
-        request, error = self.parse(body, CompletionRequest)
-        if error is not None:
-            return error
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        request.model = self.models.check(request.model)
         try:
             params = request.to_sampling_params()
             await self.check_constraint(params, request.constraint()[1])
         except ValueError as exc:
-            return value_error_response(exc, body, self.prompt_param)
+            return value_error_response(exc, request, self.prompt_param)
         request_id = random_id("cmpl")
         stream = self.start(request.prompts(), params, request_id, request)
         shape = _CompletionShape(self.engine.tokenizer, request, request_id)
-        return await self.respond(stream, raw_request, body, bool(request.stream), shape.events, shape.body)
+        return await self.respond(stream, raw_request, request, bool(request.stream), shape.events, shape.body)
 
 
 class _CompletionShape:
@@ -48,7 +47,7 @@ class _CompletionShape:
         for prompt_index, output in sorted(outputs.items()):
             usage.add(prompt_index, output)
             for completion in output.outputs:
-                choices.append(self._choice(prompt_index, output, completion, self.request.echo,
+                choices.append(self._choice(prompt_index, output, completion, bool(self.request.echo),
                                             output.prompt_logprobs, CompletionLogprobs(self.hidden_ids)))
         return {**self.base, "choices": choices, "usage": usage.usage()}
 
@@ -68,7 +67,7 @@ class _CompletionShape:
                         continue
                     index = prompt_index * self.n + completion.index
                     first = index not in offsets
-                    choice = self._choice(prompt_index, output, completion, self.request.echo and first,
+                    choice = self._choice(prompt_index, output, completion, bool(self.request.echo) and first,
                                           prompt_logprobs.get(prompt_index),
                                           offsets.setdefault(index, CompletionLogprobs(self.hidden_ids)))
                     events.append(sse({**self.base, "choices": [choice], **extra}))

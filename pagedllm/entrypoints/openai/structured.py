@@ -113,6 +113,7 @@ class StructuredRequestMixin(_Model):
         if fmt is not None and fmt.type == "json_object":
             sources.append(("response_format", {"json_object": True}))
         elif fmt is not None and fmt.type == "json_schema":
+            assert fmt.json_schema is not None  # ResponseFormat's validator requires it
             sources.append(("response_format", {"json": fmt.json_schema.json_schema}))
         if self.structured_outputs is not None:
             so = self.structured_outputs

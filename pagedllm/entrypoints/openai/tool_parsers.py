@@ -51,8 +51,9 @@ class HermesToolParser(ToolCallExtractor):
         start = text.find(self.START)
         if start < 0:
             return text, []
-        calls = [_call_from_json(block.strip()) for block in self._BLOCK.findall(text)]
-        if not calls or any(c is None for c in calls):
+        found = [_call_from_json(block.strip()) for block in self._BLOCK.findall(text)]
+        calls = [c for c in found if c is not None]
+        if not calls or len(calls) < len(found):
             return text, []  # not well-formed: leave the text as it is
         self.num_calls = len(calls)
         return text[:start].strip() or None, calls

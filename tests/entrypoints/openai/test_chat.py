@@ -120,7 +120,7 @@ def test_cached_tokens_on_repeated_long_prompt(client, tokenizer):
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.chat.completions.create(model="gpt-4", messages=MESSAGES, max_tokens=2)
-    assert info.value.body["message"] == "The model `gpt-4` does not exist."
+    assert info.value.body["message"] == "The model `gpt-4` does not exist; this server serves `tiny`."
     assert info.value.body["param"] == "model"
 
 
@@ -177,3 +177,11 @@ def test_streaming_request_errors_before_the_stream_starts(client):
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=10_000, stream=True)
     assert info.value.body["param"] == "max_tokens" and "512" in info.value.body["message"]
+
+
+def test_tokenize_counts_what_chat_sends(server, client):
+    kwargs = {"chat_template_kwargs": {"unused_flag": True}, "add_generation_prompt": True}
+    tok = httpx.post(server.url_for("tokenize"), json={"model": "tiny", "messages": MESSAGES, **kwargs}, timeout=30)
+    assert tok.status_code == 200, tok.text
+    out = chat(client, max_tokens=1, extra_body=kwargs)
+    assert out.usage.prompt_tokens == tok.json()["count"]

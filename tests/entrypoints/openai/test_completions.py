@@ -129,7 +129,7 @@ def test_cached_tokens_on_repeated_long_prompt(client, tokenizer):
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError) as info:
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
-    assert info.value.body["message"] == "The model `gpt-4` does not exist."
+    assert info.value.body["message"] == "The model `gpt-4` does not exist; this server serves `tiny`."
 
 
 BAD = [
@@ -180,3 +180,19 @@ def test_streaming_request_errors_before_the_stream_starts(client):
         with pytest.raises(openai.BadRequestError) as info:
             client.completions.create(**{"model": "tiny", "prompt": "hi", "stream": True, **kw})
         assert "512" in info.value.body["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("path, body", [
+    (("v1", "completions"), {"prompt": "hi"}),
+    (("v1", "chat", "completions"), {"messages": [{"role": "user", "content": "hi"}]}),
+], ids=["completions", "chat"])
+def test_priority_under_fcfs_is_400_naming_the_flag(server, path, body, stream):
+    """As offline (a ValueError), a priority the fcfs scheduler would ignore is refused, not dropped."""
+    r = httpx.post(server.url_for(*path), json={"model": "tiny", "max_tokens": 2, "priority": 1, "stream": stream,
+                                                **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"], error
+    ok = httpx.post(server.url_for(*path), json={"model": "tiny", "max_tokens": 2, "priority": 0, **body}, timeout=30)
+    assert ok.status_code == 200, ok.text

@@ -221,6 +221,9 @@ class FakeEngine:
         self.shutdowns += 1
 
 
+VALID = {"prompt": "x"}
+
+
 class FailingHandler:
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
@@ -235,7 +238,7 @@ def fake_app(monkeypatch):
 
     from pagedllm.entrypoints.openai import api_server
 
-    monkeypatch.setattr(api_server, "_load_handlers", lambda engine, options: {})
+    monkeypatch.setattr(api_server, "_load_handlers", lambda engine, options, served: {})
     engine = FakeEngine()
     return api_server.build_app(engine, Namespace(served_model_name=["m"])), engine
 
@@ -253,29 +256,30 @@ def test_health_and_error_mapping_in_process(fake_app):
         assert_openai_error(c.get("/health"), 503)
         assert len(engine.stat_loggers) == 1  # build_app added a Prometheus logger
         assert_openai_error(c.post("/v1/completions", json={}), 501)
+        # the body is validated before a handler runs: these carry a valid one
         state.handlers["completion"] = FailingHandler(EngineDeadError("gone"))
-        assert "gone" in assert_openai_error(c.post("/v1/completions", json={}), 500)["message"]
+        assert "gone" in assert_openai_error(c.post("/v1/completions", json=VALID), 500)["message"]
         state.handlers["completion"] = FailingHandler(KeyError("bug"))
-        assert "KeyError" in assert_openai_error(c.post("/v1/completions", json={}), 500)["message"]
+        assert "KeyError" in assert_openai_error(c.post("/v1/completions", json=VALID), 500)["message"]
     assert engine.shutdowns == 1  # the lifespan stops the engine
 
 
 def test_watchdog_stops_server_when_engine_dies(fake_app):
     from types import SimpleNamespace
 
-    from pagedllm.entrypoints.openai import api_server
+    from pagedllm.entrypoints.openai import server_process
 
     app, engine = fake_app
     state = app.state.server_state
-    state.server = SimpleNamespace(should_exit=False, config=SimpleNamespace(timeout_graceful_shutdown=30))
+    server = SimpleNamespace(should_exit=False, config=SimpleNamespace(timeout_graceful_shutdown=30))
 
     async def scenario() -> None:
-        watchdog = asyncio.create_task(api_server._watch_engine(state))
+        watchdog = asyncio.create_task(server_process.watch_engine(state, server))
         await asyncio.sleep(0.3)
-        assert not state.server.should_exit
+        assert not server.should_exit
         engine.is_running = False
         await asyncio.wait_for(watchdog, 2)
 
     asyncio.run(scenario())
-    assert state.engine_dead and state.exit_code == 1 and state.server.should_exit
-    assert state.server.config.timeout_graceful_shutdown == api_server.DEAD_ENGINE_GRACE_S
+    assert state.engine_dead and state.exit_code == 1 and server.should_exit
+    assert server.config.timeout_graceful_shutdown == server_process.DEAD_ENGINE_GRACE_S

@@ -1,0 +1,60 @@
+"""``EngineClient``: what the HTTP server needs from its engine (``AsyncLLM`` implements it).
+
+The routes and handlers are typed against this, not against ``AsyncLLM``, so a test can serve
+the real app on a small fake engine, and another engine front end (several engine processes,
+a remote engine) only has to provide these members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
+    from pagedllm.engine.input_processor import PromptType
+    from pagedllm.metrics.stats import StatLogger
+    from pagedllm.outputs import RequestOutput
+    from pagedllm.sampling_params import SamplingParams
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """An asyncio engine: requests in, streams of ``RequestOutput`` out."""
+
+    config: EngineConfig  # model_config (max_model_len, vocab), scheduler_config (max_num_seqs), device
+    tokenizer: Any  # the HF tokenizer the engine detokenizes with: /tokenize, chat templates
+    stat_loggers: list[StatLogger]  # the server adds its Prometheus logger here
+
+    @property
+    def is_running(self) -> bool:
+        """False once the engine is gone (died or shut down)."""
+        ...
+
+    @property
+    def capacity(self) -> dict:
+        """What the KV cache holds (``summary``, ``startup_seconds``), for the start-up banner."""
+        ...
+
+    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
+                 priority: int = 0, cache_salt: str | None = None,
+                 strict_max_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; ValueError for input it rejects; closing it aborts."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        ...
+
+    async def check_structured_outputs(self, params: SamplingParams) -> None:
+        """ValueError if the request's output constraint is invalid (compiles it, cached)."""
+        ...
+
+    async def check_health(self) -> None:
+        """Raise (EngineDeadError) unless the engine answers."""
+        ...
+
+    def get_num_unfinished_requests(self) -> int:
+        ...
+
+    def shutdown(self) -> None:
+        ...

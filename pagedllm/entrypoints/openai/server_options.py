@@ -1,0 +1,40 @@
+"""The server's own flags (``pagedllm serve``), read from the parsed arguments and validated."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from pagedllm.entrypoints.chat_utils import load_chat_template
+from pagedllm.entrypoints.openai.auth import load_api_keys
+from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+
+@dataclass
+class ServerOptions:
+    """Server flags, validated (ValueError with a message that says what to change)."""
+
+    served_model_names: list[str]
+    api_keys: list[str]
+    chat_template: str | None  # the template itself (--chat-template read), None: the tokenizer's
+    max_waiting_requests: int
+    tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls in this format
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ServerOptions":
+        names = getattr(args, "served_model_name", None) or [getattr(args, "model", None) or "pagedllm-demo"]
+        waiting = getattr(args, "max_waiting_requests", 1024)
+        if waiting < 0:
+            raise ValueError(f"--max-waiting-requests must be >= 0, got {waiting}")
+        keys = load_api_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
+        return cls(list(names), keys, load_chat_template(getattr(args, "chat_template", None)), waiting,
+                   _tool_call_parser(args))
+
+
+def _tool_call_parser(args: argparse.Namespace) -> str | None:
+    parser = getattr(args, "tool_call_parser", None)
+    if not getattr(args, "enable_auto_tool_choice", False):
+        return None
+    if parser not in TOOL_PARSERS:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser, one of {', '.join(TOOL_PARSERS)}")
+    return parser
