@@ -22,10 +22,33 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LATENCY = ["bench", "latency", "--batch-sizes", "1", "16", "64", "--decode-steps", "16",
-           "--prefill-len", "512", "--prefill-iters", "3"]
-MIXED = ["bench", "throughput", "--num-requests", "64", "--prompt-len", "32", "256",
-         "--output-len", "16", "256", "--disable-detokenize"]
+LATENCY = [
+    "bench",
+    "latency",
+    "--batch-sizes",
+    "1",
+    "16",
+    "64",
+    "--decode-steps",
+    "16",
+    "--prefill-len",
+    "512",
+    "--prefill-iters",
+    "3",
+]
+MIXED = [
+    "bench",
+    "throughput",
+    "--num-requests",
+    "64",
+    "--prompt-len",
+    "32",
+    "256",
+    "--output-len",
+    "16",
+    "256",
+    "--disable-detokenize",
+]
 
 
 def checkout(ref: str, where: Path) -> Path:

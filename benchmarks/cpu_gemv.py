@@ -19,7 +19,7 @@ import json
 import os
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -34,8 +34,7 @@ Linear = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def layouts(w: torch.Tensor) -> dict[str, torch.Tensor]:
     """The weight as each method stores it."""
-    return {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 16), "flinear": w,
-            "packed": pack_weight(w)}
+    return {"onednn": torch.ops.mkldnn._reorder_linear_weight(w, 16), "flinear": w, "packed": pack_weight(w)}
 
 
 METHODS: dict[str, Linear] = {
@@ -92,19 +91,17 @@ def wait_for_quiet(threshold: float, timeout: float = 120.0) -> None:
         pass
 
 
-def bench_rows(rows: int, calls: list, reps: int, methods: list[str],
-               quiet: float) -> dict[str, dict[str, float]]:
+def bench_rows(rows: int, calls: list, reps: int, methods: list[str], quiet: float) -> dict[str, dict[str, float]]:
     """Median seconds per shape (and "step") per method at ``rows`` rows, methods interleaved."""
     xs = {k: torch.randn(rows, k) for k in {576, 1536}}
     samples: dict[str, list[dict[str, float]]] = {m: [] for m in methods}
     for rep in range(reps + 1):
         wait_for_quiet(quiet)
-        for method in methods[rep % len(methods):] + methods[:rep % len(methods)]:  # rotate who goes first
+        for method in methods[rep % len(methods) :] + methods[: rep % len(methods)]:  # rotate who goes first
             spent = run_step(method, calls, xs)
             if rep:  # rep 0 warms up (first touch, kernel selection)
                 samples[method].append({**spent, "step": sum(spent.values())})
-    return {m: {name: statistics.median(s[name] for s in runs) for name in runs[0]}
-            for m, runs in samples.items()}
+    return {m: {name: statistics.median(s[name] for s in runs) for name in runs[0]} for m, runs in samples.items()}
 
 
 def weight_bytes(calls: list) -> dict[str, int]:
@@ -119,8 +116,11 @@ def report_rows(rows: int, med: dict[str, dict[str, float]], nbytes: dict[str, i
     """One line per shape: each method's median, the weight GB/s and GFLOP/s it implies, xR."""
     for name in [*SHAPES, "lm_head", "step"]:
         base, flops = med["onednn"][name], 2 * rows * nbytes[name] / 4
-        cells = [f"{m} {med[m][name] * 1e3:7.2f} ms {nbytes[name] / med[m][name] / 1e9:5.1f} GB/s "
-                 f"{flops / med[m][name] / 1e9:5.0f} GF/s x{base / med[m][name]:4.2f}" for m in med]
+        cells = [
+            f"{m} {med[m][name] * 1e3:7.2f} ms {nbytes[name] / med[m][name] / 1e9:5.1f} GB/s "
+            f"{flops / med[m][name] / 1e9:5.0f} GF/s x{base / med[m][name]:4.2f}"
+            for m in med
+        ]
         print(f"M={rows:<4} {name:8} " + " | ".join(cells))
 
 
@@ -131,15 +131,20 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--quiet", type=float, default=0.1,
-                   help="start each rep once other processes use under this share of the CPUs "
-                        "(1 = never wait)")
+    p.add_argument(
+        "--quiet",
+        type=float,
+        default=0.1,
+        help="start each rep once other processes use under this share of the CPUs (1 = never wait)",
+    )
     args = p.parse_args()
     if "packed" in args.methods and load_cpu_gemm() is None:
         raise SystemExit("the packed kernel did not build (or PAGEDLLM_CPU_KERNELS=0)")
     limits = measure_limits(copy_mib=256)
-    print(f"threads {torch.get_num_threads()}, copy {limits.copy_gbps:.1f} GB/s, read {limits.read_gbps:.1f} GB/s; "
-          "xR = oneDNN time / method time (higher is faster)")
+    print(
+        f"threads {torch.get_num_threads()}, copy {limits.copy_gbps:.1f} GB/s, read {limits.read_gbps:.1f} GB/s; "
+        "xR = oneDNN time / method time (higher is faster)"
+    )
     calls = build(args.layers, args.seed)
     nbytes = weight_bytes(calls)
     results = {}
@@ -147,8 +152,9 @@ def main() -> None:
         med = bench_rows(rows, calls, args.reps, args.methods, args.quiet)
         report_rows(rows, med, nbytes)
         results[rows] = med
-    print(json.dumps({"copy_gbps": limits.copy_gbps, "read_gbps": limits.read_gbps, "bytes": nbytes,
-                      "median_s": results}))
+    print(
+        json.dumps({"copy_gbps": limits.copy_gbps, "read_gbps": limits.read_gbps, "bytes": nbytes, "median_s": results})
+    )
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from pagedllm.entrypoints.cli import main as cli_main
 

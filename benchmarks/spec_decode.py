@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.entrypoints.bench.common import environment, env_line, format_table, write_dummy_model_dir
+from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
 
 
 def _requests(n: int, prompt_len: int, vocab: int, seed: int) -> list[dict]:
@@ -47,11 +47,15 @@ def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> dict[str, f
     outputs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    tpots = [(o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1)
-             for o in outputs]
-    return {"e2e_tok_s": tokens / elapsed, "decode_tok_s": len(outputs) / statistics.mean(tpots),
-            "drafted": sum(o.metrics.spec_num_draft_tokens for o in outputs),
-            "accepted": sum(o.metrics.spec_num_accepted_tokens for o in outputs)}
+    tpots = [
+        (o.metrics.last_token_time - o.metrics.first_token_time) / (len(o.outputs[0].token_ids) - 1) for o in outputs
+    ]
+    return {
+        "e2e_tok_s": tokens / elapsed,
+        "decode_tok_s": len(outputs) / statistics.mean(tpots),
+        "drafted": sum(o.metrics.spec_num_draft_tokens for o in outputs),
+        "accepted": sum(o.metrics.spec_num_accepted_tokens for o in outputs),
+    }
 
 
 def _bench(engines: dict[str, LLM], prompts: list[dict], params: SamplingParams, repeats: int) -> dict:
@@ -65,8 +69,7 @@ def _bench(engines: dict[str, LLM], prompts: list[dict], params: SamplingParams,
             values = [r[metric] for r in rs]
             result[f"{name}_{metric}"] = {"best": max(values), "median": statistics.median(values)}
         result[f"{metric}_speedup_best"] = result[f"ngram_{metric}"]["best"] / result[f"off_{metric}"]["best"]
-        result[f"{metric}_speedup_median"] = (result[f"ngram_{metric}"]["median"]
-                                              / result[f"off_{metric}"]["median"])
+        result[f"{metric}_speedup_median"] = result[f"ngram_{metric}"]["median"] / result[f"off_{metric}"]["median"]
     drafted = sum(r["drafted"] for r in runs["ngram"])
     result["acceptance_rate"] = sum(r["accepted"] for r in runs["ngram"]) / drafted if drafted else None
     return result
@@ -96,39 +99,72 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=192)
     p.add_argument("--num-speculative-tokens", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--sliding-window", type=int, default=4,
-                   help="window of the default model (0: full attention); 30 layers x (4 - 1) + 1 = 91 < P")
+    p.add_argument(
+        "--sliding-window",
+        type=int,
+        default=4,
+        help="window of the default model (0: full attention); 30 layers x (4 - 1) + 1 = 91 < P",
+    )
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     model = args.model or _sliding_window_model(args.sliding_window)
     load_format = "auto" if args.model else "dummy"
-    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
-            "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    spec = {
+        "method": "ngram",
+        "num_speculative_tokens": args.num_speculative_tokens,
+        "prompt_lookup_min": 2,
+        "prompt_lookup_max": 4,
+    }
     greedy = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     sampled = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0, seed=args.seed)
     report = {"env": environment(), "args": vars(args), "results": []}
     for batch in args.batch_sizes:
-        common = dict(load_format=load_format, max_model_len=2 * (args.prompt_len + args.output_len) + 16,
-                      max_num_seqs=batch, seed=args.seed)
+        common = dict(
+            load_format=load_format,
+            max_model_len=2 * (args.prompt_len + args.output_len) + 16,
+            max_num_seqs=batch,
+            seed=args.seed,
+        )
         engines = {"off": LLM(model, **common), "ngram": LLM(model, speculative_config=spec, **common)}
         vocab = engines["off"].llm_engine.config.model_config.arch.vocab_size
         prompts = _requests(batch, args.prompt_len, vocab, args.seed)
         copies = [o.outputs[0].token_ids for o in engines["off"].generate(prompts, greedy, use_tqdm=False)]
-        copy_prompts = [{"prompt_token_ids": p["prompt_token_ids"] + c + p["prompt_token_ids"]}
-                        for p, c in zip(prompts, copies)]
+        copy_prompts = [
+            {"prompt_token_ids": p["prompt_token_ids"] + c + p["prompt_token_ids"]} for p, c in zip(prompts, copies)
+        ]
         fidelity = _copy_fidelity(engines["off"], copy_prompts, greedy, copies)
         result = _bench(engines, copy_prompts, greedy, args.repeats)
         report["results"].append({"workload": "copy", "batch": batch, "outputs_equal_to_copy": fidelity, **result})
         result = _bench(engines, prompts, sampled, args.repeats)
         report["results"].append({"workload": "no-repetition", "batch": batch, **result})
         del engines
-    rows = [[r["workload"], r["batch"], f"{r['off_decode_tok_s']['median']:.1f}",
-             f"{r['ngram_decode_tok_s']['median']:.1f}", f"{r['decode_tok_s_speedup_median']:.2f}x",
-             f"{r['e2e_tok_s_speedup_median']:.2f}x",
-             "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%"] for r in report["results"]]
+    rows = [
+        [
+            r["workload"],
+            r["batch"],
+            f"{r['off_decode_tok_s']['median']:.1f}",
+            f"{r['ngram_decode_tok_s']['median']:.1f}",
+            f"{r['decode_tok_s_speedup_median']:.2f}x",
+            f"{r['e2e_tok_s_speedup_median']:.2f}x",
+            "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%",
+        ]
+        for r in report["results"]
+    ]
     print(env_line(report["env"]))
-    print(format_table(["workload", "batch", "off decode tok/s", "ngram decode tok/s", "decode speedup",
-                        "e2e speedup", "acceptance"], rows))
+    print(
+        format_table(
+            [
+                "workload",
+                "batch",
+                "off decode tok/s",
+                "ngram decode tok/s",
+                "decode speedup",
+                "e2e speedup",
+                "acceptance",
+            ],
+            rows,
+        )
+    )
     print(json.dumps(report))
 
 

@@ -27,8 +27,9 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -36,39 +37,101 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.sampling_params import StructuredOutputsParams
 
 SMOLLM_135M_SHAPE: dict[str, Any] = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
-    rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=2)
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
+)
 _WEIGHT_FILES = {"config.json", "generation_config.json", "model.safetensors", "README.md"}
 
 SCHEMAS: list[dict[str, Any]] = [
-    {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"}, "admin": {"type": "boolean"}},
-     "required": ["name", "age", "email"]},
-    {"$defs": {"item": {"type": "object", "properties": {
-        "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
-        "qty": {"type": "integer", "minimum": 1, "maximum": 99}}, "required": ["sku", "qty"]}},
-     "type": "object", "properties": {
-        "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
-        "items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1, "maxItems": 3},
-        "status": {"type": "string", "enum": ["pending", "shipped", "delivered"]}},
-     "required": ["order_id", "items", "status"]},
-    {"type": "object", "properties": {
-        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima", "Oslo"]},
-        "days": {"type": "integer", "minimum": 1, "maximum": 14},
-        "unit": {"anyOf": [{"type": "string", "enum": ["celsius", "fahrenheit"]}, {"type": "null"}]}},
-     "required": ["city", "days", "unit"]},
-    {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "object", "properties": {
-        "title": {"type": "string", "minLength": 1, "maxLength": 10},
-        "score": {"type": "number", "minimum": 0, "maximum": 10}}, "required": ["title", "score"]}},
+    {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "email": {"type": "string", "pattern": "^[a-z]{1,8}@[a-z]{1,8}\\.com$"},
+            "admin": {"type": "boolean"},
+        },
+        "required": ["name", "age", "email"],
+    },
+    {
+        "$defs": {
+            "item": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+                    "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+                },
+                "required": ["sku", "qty"],
+            }
+        },
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "pattern": "^ORD-[0-9]{6}$"},
+            "items": {"type": "array", "items": {"$ref": "#/$defs/item"}, "minItems": 1, "maxItems": 3},
+            "status": {"type": "string", "enum": ["pending", "shipped", "delivered"]},
+        },
+        "required": ["order_id", "items", "status"],
+    },
+    {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima", "Oslo"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14},
+            "unit": {"anyOf": [{"type": "string", "enum": ["celsius", "fahrenheit"]}, {"type": "null"}]},
+        },
+        "required": ["city", "days", "unit"],
+    },
+    {
+        "type": "array",
+        "minItems": 1,
+        "maxItems": 4,
+        "items": {
+            "type": "object",
+            "properties": {
+                "title": {"type": "string", "minLength": 1, "maxLength": 10},
+                "score": {"type": "number", "minimum": 0, "maximum": 10},
+            },
+            "required": ["title", "score"],
+        },
+    },
 ]
-PROMPT_WORDS = "the quick brown fox jumps over a lazy dog while engine memory cache block token request".split()
+PROMPT_WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "engine",
+    "memory",
+    "cache",
+    "block",
+    "token",
+    "request",
+]
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.structured_output", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.structured_output",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--shape", default="smollm135m", choices=("smollm135m", "demo"))
     p.add_argument("--model", default=None, help="a real HF model dir instead of --shape")
     p.add_argument("--num-requests", type=int, default=64)
@@ -88,8 +151,12 @@ def model_dir(args: argparse.Namespace, tmp: Path) -> tuple[str, str, str]:
         return str(ensure_demo_model()), "auto", "pagedllm-demo (llama, hidden 256, vocab 2048, random weights)"
     from transformers import LlamaConfig
 
-    config = LlamaConfig(**SMOLLM_135M_SHAPE, architectures=["LlamaForCausalLM"], dtype="float32",
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = LlamaConfig(
+        **SMOLLM_135M_SHAPE,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     config.save_pretrained(str(tmp))
     for f in Path(ensure_demo_model()).iterdir():
         if f.is_file() and f.name not in _WEIGHT_FILES:
@@ -98,8 +165,10 @@ def model_dir(args: argparse.Namespace, tmp: Path) -> tuple[str, str, str]:
 
 
 def prompts(n: int) -> list[str]:
-    return [" ".join(PROMPT_WORDS[(i + j) % len(PROMPT_WORDS)] for j in range(8 + i % 5)) + f" #{i}. JSON:"
-            for i in range(n)]
+    return [
+        " ".join(PROMPT_WORDS[(i + j) % len(PROMPT_WORDS)] for j in range(8 + i % 5)) + f" #{i}. JSON:"
+        for i in range(n)
+    ]
 
 
 # ---------------------------------------------------------------------------------- compile time
@@ -121,8 +190,12 @@ def compile_times(llm: LLM) -> dict[str, Any]:
         fresh.check(params)
         cached.append(time.perf_counter() - start)
         fresh.shutdown()
-    return {"cold_ms": [round(t * 1e3, 3) for t in cold], "cached_us": [round(t * 1e6, 1) for t in cached],
-            "cold_ms_median": statistics.median(cold) * 1e3, "cached_us_median": statistics.median(cached) * 1e6}
+    return {
+        "cold_ms": [round(t * 1e3, 3) for t in cold],
+        "cached_us": [round(t * 1e6, 1) for t in cached],
+        "cold_ms_median": statistics.median(cold) * 1e3,
+        "cached_us_median": statistics.median(cached) * 1e6,
+    }
 
 
 # ---------------------------------------------------------------------------------- throughput
@@ -142,8 +215,11 @@ class GrammarTimer:
         from pagedllm.structured_output.request import StructuredOutputRequest
 
         self.seconds = 0.0
-        self._patches = [(StructuredOutputManager, "grammar_bitmask"), (StructuredOutputRequest, "accept"),
-                         (model_runner, "apply_grammar_bitmask")]
+        self._patches = [
+            (StructuredOutputManager, "grammar_bitmask"),
+            (StructuredOutputRequest, "accept"),
+            (model_runner, "apply_grammar_bitmask"),
+        ]
         self._originals = [getattr(owner, name) for owner, name in self._patches]
 
     def _timed(self, fn):
@@ -153,9 +229,10 @@ class GrammarTimer:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
+
         return wrapper
 
-    def __enter__(self) -> "GrammarTimer":
+    def __enter__(self) -> GrammarTimer:
         for (owner, name), original in zip(self._patches, self._originals):
             setattr(owner, name, self._timed(original))
         return self
@@ -167,9 +244,14 @@ class GrammarTimer:
 
 def throughput(llm: LLM, n: int, max_tokens: int, repeats: int) -> dict[str, Any]:
     texts = prompts(n)
-    constrained = [SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                  structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]))
-                   for i in range(n)]
+    constrained = [
+        SamplingParams(
+            temperature=0.0,
+            max_tokens=max_tokens,
+            structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % len(SCHEMAS)]),
+        )
+        for i in range(n)
+    ]
     run(llm, texts[:4], constrained[:4])  # warm-up (compiles the schemas once)
     _, outputs = run(llm, texts, constrained)
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
@@ -184,13 +266,21 @@ def throughput(llm: LLM, n: int, max_tokens: int, repeats: int) -> dict[str, Any
         elapsed, _ = run(llm, texts, constrained)
     best = {name: min(values) for name, values in times.items()}
     tokens = sum(lengths)
-    return {"requests": n, "output_tokens": tokens, "mean_output_len": tokens / n, "max_output_len": max(lengths),
-            "finished_by_grammar": sum(o.outputs[0].finish_reason == "stop" for o in outputs),
-            "valid": _count_valid(outputs), "seconds": times, "best_s": best,
-            "tokens_per_s": {k: tokens / v for k, v in best.items()},
-            "overhead": best["constrained"] / best["unconstrained"] - 1,
-            "median_overhead": statistics.median(times["constrained"]) / statistics.median(times["unconstrained"]) - 1,
-            "grammar_s": timer.seconds, "grammar_share": timer.seconds / elapsed}
+    return {
+        "requests": n,
+        "output_tokens": tokens,
+        "mean_output_len": tokens / n,
+        "max_output_len": max(lengths),
+        "finished_by_grammar": sum(o.outputs[0].finish_reason == "stop" for o in outputs),
+        "valid": _count_valid(outputs),
+        "seconds": times,
+        "best_s": best,
+        "tokens_per_s": {k: tokens / v for k, v in best.items()},
+        "overhead": best["constrained"] / best["unconstrained"] - 1,
+        "median_overhead": statistics.median(times["constrained"]) / statistics.median(times["unconstrained"]) - 1,
+        "grammar_s": timer.seconds,
+        "grammar_share": timer.seconds / elapsed,
+    }
 
 
 def _count_valid(outputs: list) -> int | None:
@@ -210,26 +300,40 @@ def _count_valid(outputs: list) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    env = (f"{datetime.date.today()} torch {torch.__version__} threads {torch.get_num_threads()} "
-           f"cpu {platform.processor() or platform.machine()}")
+    env = (
+        f"{datetime.date.today()} torch {torch.__version__} threads {torch.get_num_threads()} "
+        f"cpu {platform.processor() or platform.machine()}"
+    )
     with tempfile.TemporaryDirectory(prefix="pagedllm-so-bench-") as tmp:
         path, load_format, desc = model_dir(args, Path(tmp))
         llm = LLM(path, load_format=load_format, max_model_len=512, max_num_seqs=max(args.num_requests, 1))
-        report = {"env": env, "model": desc, "compile": compile_times(llm),
-                  "throughput": throughput(llm, args.num_requests, args.max_tokens, args.repeats)}
+        report = {
+            "env": env,
+            "model": desc,
+            "compile": compile_times(llm),
+            "throughput": throughput(llm, args.num_requests, args.max_tokens, args.repeats),
+        }
     t, c = report["throughput"], report["compile"]
     print(env)
     print(f"model: {desc}")
-    print(f"compile: cold median {c['cold_ms_median']:.2f} ms {c['cold_ms']}, "
-          f"cached median {c['cached_us_median']:.1f} us")
-    print(f"{t['requests']} requests, {t['output_tokens']} output tokens (mean {t['mean_output_len']:.1f}, "
-          f"max {t['max_output_len']}), {t['finished_by_grammar']} ended by the grammar, {t['valid']} valid")
+    print(
+        f"compile: cold median {c['cold_ms_median']:.2f} ms {c['cold_ms']}, "
+        f"cached median {c['cached_us_median']:.1f} us"
+    )
+    print(
+        f"{t['requests']} requests, {t['output_tokens']} output tokens (mean {t['mean_output_len']:.1f}, "
+        f"max {t['max_output_len']}), {t['finished_by_grammar']} ended by the grammar, {t['valid']} valid"
+    )
     for name in ("unconstrained", "constrained"):
-        print(f"  {name:13s} best {t['best_s'][name]:.3f} s  {t['tokens_per_s'][name]:.1f} tok/s  "
-              f"runs {[round(x, 3) for x in t['seconds'][name]]}")
-    print(f"  constraint overhead: best vs best {t['overhead'] * 100:+.1f}%, median vs median "
-          f"{t['median_overhead'] * 100:+.1f}%; grammar work {t['grammar_s'] * 1e3:.0f} ms = "
-          f"{t['grammar_share'] * 100:.1f}% of a constrained run")
+        print(
+            f"  {name:13s} best {t['best_s'][name]:.3f} s  {t['tokens_per_s'][name]:.1f} tok/s  "
+            f"runs {[round(x, 3) for x in t['seconds'][name]]}"
+        )
+    print(
+        f"  constraint overhead: best vs best {t['overhead'] * 100:+.1f}%, median vs median "
+        f"{t['median_overhead'] * 100:+.1f}%; grammar work {t['grammar_s'] * 1e3:.0f} ms = "
+        f"{t['grammar_share'] * 100:.1f}% of a constrained run"
+    )
     line = json.dumps(report)
     if args.output_json:
         Path(args.output_json).write_text(line)

@@ -18,8 +18,10 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
     """Read ``config.json`` from a model directory with a clear error when it is missing."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
-        raise ValueError(f"{model_dir!s} is not a Hugging Face model directory: no config.json in it. "
-                         "Pass a local directory that holds config.json, *.safetensors and the tokenizer files.")
+        raise ValueError(
+            f"{model_dir!s} is not a Hugging Face model directory: no config.json in it. "
+            "Pass a local directory that holds config.json, *.safetensors and the tokenizer files."
+        )
     with open(path, encoding="utf-8") as f:
         return json.load(f)
 
@@ -72,7 +74,9 @@ def _rope_config(hf: dict[str, Any]) -> RopeConfig:
     theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
     rope_type = params.pop("rope_type", params.pop("type", "default")) or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(
+            f"rope scaling type {rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     known = RopeConfig.__dataclass_fields__
     kwargs = {k: v for k, v in params.items() if k in known and v is not None}
     if "partial_rotary_factor" in hf:

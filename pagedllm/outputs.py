@@ -6,8 +6,8 @@ about tokenizers, the engine core or torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 
 @dataclass

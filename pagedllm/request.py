@@ -78,9 +78,16 @@ class Request:
         self.structured_output: Any = None
 
     @classmethod
-    def from_engine_core_request(cls, req: EngineCoreRequest) -> "Request":
-        return cls(req.request_id, req.prompt_token_ids, req.sampling_params, req.eos_token_id,
-                   req.arrival_time, req.priority, req.cache_salt)
+    def from_engine_core_request(cls, req: EngineCoreRequest) -> Request:
+        return cls(
+            req.request_id,
+            req.prompt_token_ids,
+            req.sampling_params,
+            req.eos_token_id,
+            req.arrival_time,
+            req.priority,
+            req.cache_salt,
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -108,5 +115,7 @@ class Request:
         self.all_token_ids.extend(token_ids)
 
     def __repr__(self) -> str:
-        return (f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"computed={self.num_computed_tokens})")
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens})"
+        )

@@ -42,8 +42,9 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         kinds = [name for name in _STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
         if len(kinds) != 1:
-            raise ValueError(f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}; "
-                             f"got {kinds or 'none'}")
+            raise ValueError(
+                f"structured_outputs must set exactly one of {', '.join(_STRUCTURED_KINDS)}; got {kinds or 'none'}"
+            )
         self._verify(kinds[0])
 
     def _verify(self, kind: str) -> None:
@@ -58,11 +59,19 @@ class StructuredOutputsParams:
         elif kind == "json_object":
             _check(value is True, "structured_outputs.json_object", value, "true")
         elif kind == "choice":
-            _check(isinstance(value, list) and len(value) > 0 and all(isinstance(c, str) for c in value),
-                   "structured_outputs.choice", value, "a non-empty list of strings")
+            _check(
+                isinstance(value, list) and len(value) > 0 and all(isinstance(c, str) for c in value),
+                "structured_outputs.choice",
+                value,
+                "a non-empty list of strings",
+            )
         else:
-            _check(isinstance(value, str) and value.strip() != "", f"structured_outputs.{kind}", value,
-                   "a non-empty string")
+            _check(
+                isinstance(value, str) and value.strip() != "",
+                f"structured_outputs.{kind}",
+                value,
+                "a non-empty string",
+            )
 
     @property
     def kind(self) -> str:
@@ -124,7 +133,7 @@ class SamplingParams:
             self.stop = [self.stop]
         else:
             self.stop = list(self.stop)
-        if isinstance(self.stop_token_ids, int) or isinstance(self.stop_token_ids, str):
+        if isinstance(self.stop_token_ids, (int, str)):
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -147,8 +156,12 @@ class SamplingParams:
             _check(not isinstance(getattr(self, name), bool), name, getattr(self, name), "an integer, not a bool")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
-            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
-                   name, value, "a finite number")
+            _check(
+                isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                name,
+                value,
+                "a finite number",
+            )
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
         if self.best_of is not None:
             _check(self.best_of >= self.n, "best_of", self.best_of, f">= n ({self.n})")
@@ -157,13 +170,27 @@ class SamplingParams:
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
         _check(self.temperature >= 0.0, "temperature", self.temperature, ">= 0")
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", self.top_k, "-1, 0 (disabled) or a positive integer")
+        _check(
+            isinstance(self.top_k, int) and self.top_k >= 0,
+            "top_k",
+            self.top_k,
+            "-1, 0 (disabled) or a positive integer",
+        )
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
         if self.max_tokens is not None:
-            _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", self.max_tokens, "an integer >= 1")
-        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0")
+            _check(
+                isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+                "max_tokens",
+                self.max_tokens,
+                "an integer >= 1",
+            )
+        _check(
+            isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "an integer >= 0"
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+            _check(
+                self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
@@ -171,7 +198,12 @@ class SamplingParams:
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids, "non-negative integers")
+        _check(
+            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "non-negative integers",
+        )
         if self.logit_bias:
             bad = [v for v in self.logit_bias.values() if not -100.0 <= v <= 100.0]
             _check(not bad, "logit_bias", bad, "values in [-100, 100]")
@@ -180,8 +212,12 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True; use stop_token_ids instead")
         if self.structured_outputs is not None:
-            _check(isinstance(self.structured_outputs, StructuredOutputsParams), "structured_outputs",
-                   self.structured_outputs, "a StructuredOutputsParams (or a dict of its fields)")
+            _check(
+                isinstance(self.structured_outputs, StructuredOutputsParams),
+                "structured_outputs",
+                self.structured_outputs,
+                "a StructuredOutputsParams (or a dict of its fields)",
+            )
             # The grammar decides where the output ends; masking its end tokens would leave nothing.
             _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "0 when structured_outputs is set")
 
@@ -199,7 +235,7 @@ class SamplingParams:
     def sampling_type_greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def clone(self, **changes: Any) -> "SamplingParams":
+    def clone(self, **changes: Any) -> SamplingParams:
         new = copy.deepcopy(self)
         for key, value in changes.items():
             setattr(new, key, value)

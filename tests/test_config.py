@@ -41,9 +41,20 @@ def test_step_budget_default_depends_on_the_workload(llama_model_dir):
         EngineArgs(model=str(llama_model_dir), device="cpu").create_engine_config("server")
 
 
-@pytest.mark.parametrize("dtype, resolved", [("auto", "float32"), ("float32", "float32"), ("bfloat16", "bfloat16"),
-                                             ("half", "float16"), ("bf16", "bfloat16"), ("float", "float32"),
-                                             ("fp16", "float16"), ("fp32", "float32"), ("float16", "float16")])
+@pytest.mark.parametrize(
+    "dtype, resolved",
+    [
+        ("auto", "float32"),
+        ("float32", "float32"),
+        ("bfloat16", "bfloat16"),
+        ("half", "float16"),
+        ("bf16", "bfloat16"),
+        ("float", "float32"),
+        ("fp16", "float16"),
+        ("fp32", "float32"),
+        ("float16", "float16"),
+    ],
+)
 def test_dtype(llama_model_dir, dtype, resolved):
     assert _config(llama_model_dir, dtype=dtype).model_config.dtype == resolved
 
@@ -89,25 +100,28 @@ def test_unknown_architecture(llama_model_dir, tmp_path):
     assert all(name in str(err.value) for name in supported_architectures())
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"dtype": "float8"}, "dtype must be one of"),
-    ({"load_format": "pt"}, "load_format must be one of"),
-    ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of"),
-    ({"device": "tpu"}, "device must be"),
-    ({"block_size": 12}, "block_size must be a multiple of 8"),
-    ({"block_size": 0}, "block_size must be a positive integer"),
-    ({"max_model_len": 0}, "max_model_len must be a positive integer"),
-    ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
-    ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be a positive integer"),
-    ({"kv_cache_memory": 0}, "kv_cache_memory must be > 0"),
-    ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be an integer >= 0"),
-    ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
-    ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=1"),
-    ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, triton"),
-    ({"quantization": "int4"}, "quantization must be None"),
-    ({"structured_outputs_backend": "outlines"}, "structured_outputs_backend must be one of"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"dtype": "float8"}, "dtype must be one of"),
+        ({"load_format": "pt"}, "load_format must be one of"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of"),
+        ({"device": "tpu"}, "device must be"),
+        ({"block_size": 12}, "block_size must be a multiple of 8"),
+        ({"block_size": 0}, "block_size must be a positive integer"),
+        ({"max_model_len": 0}, "max_model_len must be a positive integer"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be a positive integer"),
+        ({"max_num_batched_tokens": -1}, "max_num_batched_tokens must be a positive integer"),
+        ({"kv_cache_memory": 0}, "kv_cache_memory must be > 0"),
+        ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be an integer >= 0"),
+        ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+        ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=1"),
+        ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, triton"),
+        ({"quantization": "int4"}, "quantization must be None"),
+        ({"structured_outputs_backend": "outlines"}, "structured_outputs_backend must be one of"),
+    ],
+)
 def test_bad_values(llama_model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         _config(llama_model_dir, **kwargs)
@@ -127,9 +141,13 @@ def test_directory_without_config_json(tmp_path):
 
 def test_configs_are_frozen(llama_model_dir):
     config = _config(llama_model_dir)
-    for obj, name in [(config, "device"), (config.model_config, "max_model_len"),
-                      (config.cache_config, "block_size"), (config.scheduler_config, "max_num_seqs"),
-                      (config.parallel_config, "tensor_parallel_size")]:
+    for obj, name in [
+        (config, "device"),
+        (config.model_config, "max_model_len"),
+        (config.cache_config, "block_size"),
+        (config.scheduler_config, "max_num_seqs"),
+        (config.parallel_config, "tensor_parallel_size"),
+    ]:
         with pytest.raises(dataclasses.FrozenInstanceError):
             setattr(obj, name, 1)
 
@@ -138,11 +156,13 @@ def test_config_is_torch_free_to_build(llama_model_dir):
     import subprocess
     import sys
 
-    code = ("import sys; from pagedllm.config import EngineArgs; "
-            f"EngineArgs(model={str(llama_model_dir)!r}, device='cpu').create_engine_config(); "
-            "assert 'torch' not in sys.modules, 'config imported torch'; "
-            "assert not [m for m in sys.modules if m.startswith('pagedllm.demo')], 'config imported the demo'; "
-            "assert not {'transformers', 'tokenizers'} & set(sys.modules), 'config imported transformers'")
+    code = (
+        "import sys; from pagedllm.config import EngineArgs; "
+        f"EngineArgs(model={str(llama_model_dir)!r}, device='cpu').create_engine_config(); "
+        "assert 'torch' not in sys.modules, 'config imported torch'; "
+        "assert not [m for m in sys.modules if m.startswith('pagedllm.demo')], 'config imported the demo'; "
+        "assert not {'transformers', 'tokenizers'} & set(sys.modules), 'config imported transformers'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -13,8 +13,11 @@ PACKAGE = Path(envs.__file__).parent
 
 
 def test_only_envs_reads_the_environment() -> None:
-    readers = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-               if p.name != "envs.py" and re.search(r"os\.environ|os\.getenv", p.read_text())]
+    readers = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "envs.py" and re.search(r"os\.environ|os\.getenv", p.read_text())
+    ]
     assert readers == [], f"read environment variables through pagedllm.envs instead: {readers}"
 
 

@@ -68,8 +68,16 @@ def test_verify_vocab_accepts_in_range_ids() -> None:
 
 def test_boundary_values_are_accepted() -> None:
     params = SamplingParams(
-        temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, presence_penalty=2.0,
-        frequency_penalty=-2.0, max_tokens=1, min_tokens=1, logprobs=0, logit_bias={0: 100.0},
+        temperature=0.0,
+        top_p=1.0,
+        top_k=-1,
+        min_p=1.0,
+        presence_penalty=2.0,
+        frequency_penalty=-2.0,
+        max_tokens=1,
+        min_tokens=1,
+        logprobs=0,
+        logit_bias={0: 100.0},
     )
     assert params.top_k == 0
 

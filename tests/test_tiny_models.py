@@ -138,7 +138,7 @@ def test_arch_specific_weights_and_config(
         assert bias.abs().mean() > 0.01  # non-trivial, so a loader that drops biases is caught
     with safe_open(qwen3_model_dir / "model.safetensors", "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_norm.weight").shape == (16,)
-        assert "model.layers.0.self_attn.q_proj.bias" not in f.keys()
+        assert "model.layers.0.self_attn.q_proj.bias" not in f.keys()  # noqa: SIM118 (safe_open has no __contains__)
     assert _config(mistral_model_dir)["sliding_window"] == 32
     assert _config(qwen2_model_dir)["sliding_window"] is None
 
@@ -152,10 +152,8 @@ def test_greedy_outputs_are_not_degenerate(request: pytest.FixtureRequest, arch:
     single_token_runs, margins = 0, []
     for prompt in PROMPTS:
         ids = tok(prompt, return_tensors="pt").input_ids
-        out = model.generate(
-            ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id
-        )
-        single_token_runs += len(set(out[0, ids.shape[1]:].tolist())) == 1
+        out = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=tok.pad_token_id)
+        single_token_runs += len(set(out[0, ids.shape[1] :].tolist())) == 1
         top2 = model(out).logits[0].topk(2, dim=-1).values
         margins.append(top2[:, 0] - top2[:, 1])
     assert single_token_runs <= 1
@@ -177,8 +175,13 @@ def test_sharded_build_matches_unsharded_and_is_deterministic(tiny_model_dir, ll
 @pytest.mark.parametrize(
     "rope_scaling",
     [
-        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-         "original_max_position_embeddings": 64},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
         {"type": "linear", "factor": 2.0},
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
     ],
@@ -260,8 +263,7 @@ def test_with_demo_model_fills_in_only_a_missing_model(tmp_path: Path, monkeypat
     monkeypatch.setattr(demo_model, "ensure_demo_model", lambda: tmp_path / "demo")  # no build here
     for model in (None, "pagedllm-demo"):
         args = demo_model.with_demo_model(EngineArgs(model=model, dtype="float32"))
-        assert (args.model, args.served_model_name, args.dtype) == (str(tmp_path / "demo"), "pagedllm-demo",
-                                                                    "float32")
+        assert (args.model, args.served_model_name, args.dtype) == (str(tmp_path / "demo"), "pagedllm-demo", "float32")
     named = demo_model.with_demo_model(EngineArgs(served_model_name="demo"))
     assert named.served_model_name == "demo"
 

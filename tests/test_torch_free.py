@@ -55,6 +55,5 @@ def test_control_plane_imports_without_torch_or_numpy() -> None:
         assert not leaked, leaked
         print("ok")
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]

@@ -54,9 +54,16 @@ def _versions() -> dict[str, str]:
 
 def _nvidia_smi() -> str:
     try:
-        return subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm,"
-                               "clocks.max.mem", "--format=csv,noheader"], capture_output=True, text=True,
-                              timeout=20).stdout.strip()
+        return subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
     except Exception as exc:  # noqa: BLE001
         return f"nvidia-smi failed: {exc}"
 
@@ -90,8 +97,9 @@ def cmd_limits(a: argparse.Namespace) -> int:
         return 3
     dev = torch.device("cuda")
     props = torch.cuda.get_device_properties(dev)
-    report.update(gpu=props.name, sms=props.multi_processor_count, gpu_mem_gib=props.total_memory / 2 ** 30,
-                  cuda=torch.version.cuda)
+    report.update(
+        gpu=props.name, sms=props.multi_processor_count, gpu_mem_gib=props.total_memory / 2**30, cuda=torch.version.cuda
+    )
     gen = torch.Generator(dev).manual_seed(0)
     src = torch.randn(a.copy_mib << 18, device=dev, generator=gen)  # fp32: 4 bytes, MiB << 18 elements
     dst = torch.empty_like(src)
@@ -107,18 +115,23 @@ def cmd_limits(a: argparse.Namespace) -> int:
     torch.cuda.empty_cache()
     report.update(
         copy_bytes_read_plus_written=2 * nbytes,
-        copy_gbps_best=2 * nbytes / min(copy) / 1e9, copy_gbps_median=2 * nbytes / statistics.median(copy) / 1e9,
-        read_gbps_best=nbytes / min(read) / 1e9, read_gbps_median=nbytes / statistics.median(read) / 1e9,
-        gemm_n=n, gemm_tflops_best=2 * n ** 3 / min(mm) / 1e12,
-        gemm_tflops_median=2 * n ** 3 / statistics.median(mm) / 1e12,
+        copy_gbps_best=2 * nbytes / min(copy) / 1e9,
+        copy_gbps_median=2 * nbytes / statistics.median(copy) / 1e9,
+        read_gbps_best=nbytes / min(read) / 1e9,
+        read_gbps_median=nbytes / statistics.median(read) / 1e9,
+        gemm_n=n,
+        gemm_tflops_best=2 * n**3 / min(mm) / 1e12,
+        gemm_tflops_median=2 * n**3 / statistics.median(mm) / 1e12,
         note="best of the reps is the floor (as pagedllm.entrypoints.bench.machine does); random data",
     )
     _write_json(a.json, report)
     print(f"{report['gpu']} ({report['sms']} SMs, {report['gpu_mem_gib']:.0f} GiB), {report['nvidia_smi']}")
     print(f"versions: {report['versions']}")
-    print(f"copy {report['copy_gbps_best']:.0f} GB/s (read+write, best; median {report['copy_gbps_median']:.0f}), "
-          f"read {report['read_gbps_best']:.0f} GB/s, bf16 GEMM {n}^3 {report['gemm_tflops_best']:.0f} TFLOP/s "
-          f"(median {report['gemm_tflops_median']:.0f})")
+    print(
+        f"copy {report['copy_gbps_best']:.0f} GB/s (read+write, best; median {report['copy_gbps_median']:.0f}), "
+        f"read {report['read_gbps_best']:.0f} GB/s, bf16 GEMM {n}^3 {report['gemm_tflops_best']:.0f} TFLOP/s "
+        f"(median {report['gemm_tflops_median']:.0f})"
+    )
     return 0
 
 
@@ -170,28 +183,41 @@ def cmd_hf(a: argparse.Namespace) -> int:
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
     baselines.warm_up(model)
     sync()
-    report.update(load_and_warmup_s=time.perf_counter() - start, dtype=a.dtype,
-                  attn_implementation=getattr(model.config, "_attn_implementation", None),
-                  gpu=torch.cuda.get_device_name() if a.device == "cuda" else None)
+    report.update(
+        load_and_warmup_s=time.perf_counter() - start,
+        dtype=a.dtype,
+        attn_implementation=getattr(model.config, "_attn_implementation", None),
+        gpu=torch.cuda.get_device_name() if a.device == "cuda" else None,
+    )
     _write_json(a.json, report)
     print(f"HF model ready in {report['load_and_warmup_s']:.1f} s ({report['attn_implementation']})", flush=True)
 
     def add(system: str, sub: list, run: Any, note: str) -> None:
         if len(sub) < len(requests):
             note += f"; SUBSET: first {len(sub)} of {len(requests)} requests"
-        result = SystemResult(system, len(sub), total_prompt_tokens(sub), run.useful_output_tokens,
-                              run.generated_tokens, run.elapsed_s, note)
+        result = SystemResult(
+            system,
+            len(sub),
+            total_prompt_tokens(sub),
+            run.useful_output_tokens,
+            run.generated_tokens,
+            run.elapsed_s,
+            note,
+        )
         report["results"].append(result.to_dict())
         _write_json(a.json, report)  # after every run: a timeout later keeps what finished
-        print(f"{system}: {len(sub)} requests, {run.useful_output_tokens} useful output tokens in "
-              f"{run.elapsed_s:.1f} s = {run.useful_output_tokens / run.elapsed_s:.1f} out tok/s", flush=True)
+        print(
+            f"{system}: {len(sub)} requests, {run.useful_output_tokens} useful output tokens in "
+            f"{run.elapsed_s:.1f} s = {run.useful_output_tokens / run.elapsed_s:.1f} out tok/s",
+            flush=True,
+        )
 
-    batched = requests[:a.batch_requests]
+    batched = requests[: a.batch_requests]
     for size in a.batch_sizes if batched else []:
         run = baselines.run_padded_batches(model, batched, size)
         sync()
         add(f"hf-batch-{size}", batched, run, f"{a.dtype}, left-padded batches of {size}, dataset order")
-    single = requests[:a.one_at_a_time]
+    single = requests[: a.one_at_a_time]
     if single:
         run = baselines.run_one_at_a_time(model, single)
         sync()
@@ -200,13 +226,30 @@ def cmd_hf(a: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- record
-_LOG_KEYS = ("captured CUDA graphs", "GPU memory:", "engine ready", "start-up", "Error", "error:", "Traceback",
-             "passed", "failed", "skipped", "SKIPPED", "enforce_eager")
+_LOG_KEYS = (
+    "captured CUDA graphs",
+    "GPU memory:",
+    "engine ready",
+    "start-up",
+    "Error",
+    "error:",
+    "Traceback",
+    "passed",
+    "failed",
+    "skipped",
+    "SKIPPED",
+    "enforce_eager",
+)
 
 
 def cmd_record(a: argparse.Namespace) -> int:
-    entry: dict[str, Any] = {"step": a.step, "rc": a.rc, "wall_s": a.wall, "timed_out": a.rc in (124, 137),
-                             "time": _now()}
+    entry: dict[str, Any] = {
+        "step": a.step,
+        "rc": a.rc,
+        "wall_s": a.wall,
+        "timed_out": a.rc in (124, 137),
+        "time": _now(),
+    }
     if a.json and Path(a.json).is_file():
         text = Path(a.json).read_text().strip()
         try:
@@ -264,23 +307,33 @@ def cmd_summary(a: argparse.Namespace) -> int:
     lim = (entries.get("limits") or {}).get("report") or {}
     copy_bps = (lim.get("copy_gbps_best") or 0) * 1e9
     gemm_fps = (lim.get("gemm_tflops_best") or 0) * 1e12
-    out.append(f"## CUDA: Llama-3-8B shape, bf16, one {lim.get('gpu', 'GPU?')} "
-               f"(`benchmarks/gpu/run_h200.sh`) — {str(lim.get('date', _now()))[:10]}")
+    out.append(
+        f"## CUDA: Llama-3-8B shape, bf16, one {lim.get('gpu', 'GPU?')} "
+        f"(`benchmarks/gpu/run_h200.sh`) — {str(lim.get('date', _now()))[:10]}"
+    )
     out.append("")
     vers = lim.get("versions", {})
-    out.append(f"Device: {lim.get('gpu', '?')}, {lim.get('sms', '?')} SMs, {_fmt(lim.get('gpu_mem_gib'), 0)} GiB "
-               f"(nvidia-smi: {lim.get('nvidia_smi', '?')}); torch {vers.get('torch', '?')} (CUDA "
-               f"{lim.get('cuda', '?')}), triton {vers.get('triton', '?')}, transformers "
-               f"{vers.get('transformers', '?')}, Python {vers.get('python', '?')}.")
-    out.append(f"Measured in the same run (CUDA events, random data, best of reps): copy "
-               f"{_fmt(lim.get('copy_gbps_best'), 0)} GB/s (read + write), read {_fmt(lim.get('read_gbps_best'), 0)}"
-               f" GB/s, bf16 GEMM {lim.get('gemm_n', '?')}^3 {_fmt(lim.get('gemm_tflops_best'), 0)} TFLOP/s. "
-               "Floors below use these (the bench's own floors are measured on the CPU and are ignored).")
+    out.append(
+        f"Device: {lim.get('gpu', '?')}, {lim.get('sms', '?')} SMs, {_fmt(lim.get('gpu_mem_gib'), 0)} GiB "
+        f"(nvidia-smi: {lim.get('nvidia_smi', '?')}); torch {vers.get('torch', '?')} (CUDA "
+        f"{lim.get('cuda', '?')}), triton {vers.get('triton', '?')}, transformers "
+        f"{vers.get('transformers', '?')}, Python {vers.get('python', '?')}."
+    )
+    out.append(
+        f"Measured in the same run (CUDA events, random data, best of reps): copy "
+        f"{_fmt(lim.get('copy_gbps_best'), 0)} GB/s (read + write), read {_fmt(lim.get('read_gbps_best'), 0)}"
+        f" GB/s, bf16 GEMM {lim.get('gemm_n', '?')}^3 {_fmt(lim.get('gemm_tflops_best'), 0)} TFLOP/s. "
+        "Floors below use these (the bench's own floors are measured on the CPU and are ignored)."
+    )
     out.append("")
     out.append("Steps:")
-    out += _table(["step", "rc", "wall s", "note"],
-                  [[k, e["rc"], e["wall_s"], "TIMED OUT" if e.get("timed_out") else
-                    ("skipped" if e["rc"] == -1 else "")] for k, e in entries.items()])
+    out += _table(
+        ["step", "rc", "wall s", "note"],
+        [
+            [k, e["rc"], e["wall_s"], "TIMED OUT" if e.get("timed_out") else ("skipped" if e["rc"] == -1 else "")]
+            for k, e in entries.items()
+        ],
+    )
     tests = [(k, e) for k, e in entries.items() if k.startswith("pytest")]
     if tests:
         out.append("")
@@ -299,13 +352,21 @@ def cmd_summary(a: argparse.Namespace) -> int:
         for (fig, batch), m in sorted(lat.items(), key=lambda kv: (kv[0][0] != "prefill", kv[0][1])):
             floor = m["gpu_floor_s"]
             ovh = m.get("engine_overhead")
-            rows.append([f"prefill {m['tokens']}" if fig == "prefill" else f"decode, batch {batch}",
-                         f"{m['seconds'] * 1e3:.2f}", m["tokens_per_s"], f"{m['bytes'] / 1e9:.2f}",
-                         f"{m['flops'] / 1e12:.2f}", "-" if floor is None else f"{floor * 1e3:.2f}",
-                         "-" if floor is None else f"{m['seconds'] / floor:.2f}x",
-                         "-" if ovh is None else f"{100 * ovh:.1f}%"])
-        out += _table(["figure", "ms", "tok/s", "GB moved (model)", "TFLOP", "floor ms", "measured / floor",
-                       "overhead"], rows)
+            rows.append(
+                [
+                    f"prefill {m['tokens']}" if fig == "prefill" else f"decode, batch {batch}",
+                    f"{m['seconds'] * 1e3:.2f}",
+                    m["tokens_per_s"],
+                    f"{m['bytes'] / 1e9:.2f}",
+                    f"{m['flops'] / 1e12:.2f}",
+                    "-" if floor is None else f"{floor * 1e3:.2f}",
+                    "-" if floor is None else f"{m['seconds'] / floor:.2f}x",
+                    "-" if ovh is None else f"{100 * ovh:.1f}%",
+                ]
+            )
+        out += _table(
+            ["figure", "ms", "tok/s", "GB moved (model)", "TFLOP", "floor ms", "measured / floor", "overhead"], rows
+        )
         b1, b128 = lat.get(("decode", 1)), lat.get(("decode", 128))
         if b1 and b1["gpu_floor_s"]:
             r = b1["seconds"] / b1["gpu_floor_s"]
@@ -321,8 +382,14 @@ def cmd_summary(a: argparse.Namespace) -> int:
             g = lat.get((fig, batch))
             if fig != "decode" or g is None:
                 continue
-            rows.append([f"decode, batch {batch}", f"{g['seconds'] * 1e3:.2f}", f"{e['seconds'] * 1e3:.2f}",
-                         f"{e['seconds'] / g['seconds']:.2f}x"])
+            rows.append(
+                [
+                    f"decode, batch {batch}",
+                    f"{g['seconds'] * 1e3:.2f}",
+                    f"{e['seconds'] * 1e3:.2f}",
+                    f"{e['seconds'] / g['seconds']:.2f}x",
+                ]
+            )
         out += _table(["figure", "graphs ms", "eager ms", "graphs speed-up"], rows)
 
     # ---- throughput
@@ -330,31 +397,58 @@ def cmd_summary(a: argparse.Namespace) -> int:
     hf = (entries.get("hf") or {}).get("report")
     if thr or hf:
         out.append("")
-        out.append("Offline throughput (`pagedllm bench throughput`; HF `generate` bf16 on the same GPU, same requests):")
+        out.append(
+            "Offline throughput (`pagedllm bench throughput`; HF `generate` bf16 on the same GPU, same requests):"
+        )
         results = list((thr or {}).get("results", [])) + list((hf or {}).get("results", []))
         paged = next((r for r in results if r["system"] == "pagedllm"), None)
         rows = []
         for r in results:
             ratio = paged["output_tokens_per_s"] / r["output_tokens_per_s"] if paged and r is not paged else None
-            rows.append([r["system"], r["requests"], r["prompt_tokens"], r["output_tokens"], r["elapsed_s"],
-                         r["output_tokens_per_s"], r["total_tokens_per_s"], None if ratio is None else f"{ratio:.2f}x"])
+            rows.append(
+                [
+                    r["system"],
+                    r["requests"],
+                    r["prompt_tokens"],
+                    r["output_tokens"],
+                    r["elapsed_s"],
+                    r["output_tokens_per_s"],
+                    r["total_tokens_per_s"],
+                    None if ratio is None else f"{ratio:.2f}x",
+                ]
+            )
         floor = _workload_floor(thr, a.model_dir, copy_bps, gemm_fps) if thr else None
         if floor and paged:
-            rows.append(["floor (all at once, GPU limits; pagedllm's share of it)", paged["requests"], paged["prompt_tokens"],
-                         paged["output_tokens"], floor, paged["output_tokens"] / floor, None,
-                         f"{paged['output_tokens_per_s'] / (paged['output_tokens'] / floor):.2f}x"])
-        out += _table(["system", "reqs", "prompt tok", "output tok", "wall s", "out tok/s", "total tok/s",
-                       "pagedllm is"], rows)
+            rows.append(
+                [
+                    "floor (all at once, GPU limits; pagedllm's share of it)",
+                    paged["requests"],
+                    paged["prompt_tokens"],
+                    paged["output_tokens"],
+                    floor,
+                    paged["output_tokens"] / floor,
+                    None,
+                    f"{paged['output_tokens_per_s'] / (paged['output_tokens'] / floor):.2f}x",
+                ]
+            )
+        out += _table(
+            ["system", "reqs", "prompt tok", "output tok", "wall s", "out tok/s", "total tok/s", "pagedllm is"], rows
+        )
         if thr:
-            out.append(f"pagedllm start-up (load, profile, graph capture, warm-up; not timed above): "
-                       f"{_fmt(thr.get('pagedllm_startup_s'))} s")
+            out.append(
+                f"pagedllm start-up (load, profile, graph capture, warm-up; not timed above): "
+                f"{_fmt(thr.get('pagedllm_startup_s'))} s"
+            )
         hf_rates = [r["output_tokens_per_s"] for r in results if r["system"].startswith("hf")]
         if paged and hf_rates:
             best = max(hf_rates)
-            aims.append(f"throughput {paged['output_tokens_per_s'] / best:.2f}x the best HF row "
-                        f"(aim: several times)")
-    logs = [ln for k in ("latency", "throughput", "latency_eager") for ln in (entries.get(k) or {}).get("log_lines", [])
-            if "captured CUDA graphs" in ln or "GPU memory:" in ln or "engine ready" in ln]
+            aims.append(f"throughput {paged['output_tokens_per_s'] / best:.2f}x the best HF row (aim: several times)")
+    logs = [
+        ln
+        for k in ("latency", "throughput", "latency_eager")
+        for ln in (entries.get(k) or {}).get("log_lines", [])
+        if "captured CUDA graphs" in ln or "GPU memory:" in ln or "engine ready" in ln
+    ]
     if logs:
         out.append("")
         out.append("Engine start-up lines (latency, throughput, eager):")
@@ -380,13 +474,16 @@ def _workload_floor(thr: dict[str, Any], model_dir: str | None, copy_bps: float,
 
         args = thr["args"]
         vocab, _ = common.model_limits(Path(model_dir))
-        reqs = random_requests(args["num_requests"], tuple(args["prompt_len"]), tuple(args["output_len"]), vocab,
-                               args["seed"])
+        reqs = random_requests(
+            args["num_requests"], tuple(args["prompt_len"]), tuple(args["output_len"]), vocab, args["seed"]
+        )
         cost = machine.model_cost(common.read_hf_config(Path(model_dir)), args["dtype"])
-        limits = machine.MachineLimits(copy_gbps=copy_bps / 1e9, read_gbps=copy_bps / 1e9,
-                                       gemm_gflops=gemm_fps / 1e9, bandwidth="copy")
-        return machine.workload_floor_seconds(cost, limits, [len(r.prompt_token_ids) for r in reqs],
-                                              [r.output_len for r in reqs])
+        limits = machine.MachineLimits(
+            copy_gbps=copy_bps / 1e9, read_gbps=copy_bps / 1e9, gemm_gflops=gemm_fps / 1e9, bandwidth="copy"
+        )
+        return machine.workload_floor_seconds(
+            cost, limits, [len(r.prompt_token_ids) for r in reqs], [r.output_len for r in reqs]
+        )
     except Exception as exc:  # noqa: BLE001 - the summary must print regardless
         print(f"(workload floor not computed: {exc})")
         return None

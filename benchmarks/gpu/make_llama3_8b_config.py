@@ -21,10 +21,22 @@ from typing import Any
 
 # Meta-Llama-3-8B's shape (not 3.1: plain RoPE, theta 500000, 8k context).
 LLAMA3_8B_SHAPE: dict[str, Any] = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, tie_word_embeddings=False,
-    rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False, hidden_act="silu",
-    bos_token_id=0, eos_token_id=1, pad_token_id=2,  # the demo tokenizer's ids, as write_dummy_model_dir does
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=8192,
+    tie_word_embeddings=False,
+    rms_norm_eps=1e-5,
+    attention_bias=False,
+    mlp_bias=False,
+    hidden_act="silu",
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,  # the demo tokenizer's ids, as write_dummy_model_dir does
 )
 ROPE_THETA = 500000.0
 DESC = "dummy Llama-3-8B shape (random weights)"
@@ -38,8 +50,12 @@ def write_llama3_8b_dir(path: Path) -> Path:
     from pagedllm.demo.demo_model import ensure_demo_model
 
     path.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**LLAMA3_8B_SHAPE, architectures=["LlamaForCausalLM"], dtype="bfloat16",
-                         rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})
+    config = LlamaConfig(
+        **LLAMA3_8B_SHAPE,
+        architectures=["LlamaForCausalLM"],
+        dtype="bfloat16",
+        rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA},
+    )
     config.save_pretrained(str(path))
     for f in Path(ensure_demo_model()).iterdir():
         if f.is_file() and f.name not in _NOT_TOKENIZER_FILES:
@@ -55,17 +71,25 @@ def check(path: Path) -> None:
 
     raw = json.loads((path / "config.json").read_text())
     arch = normalize_hf_config(raw)
-    got = dict(hidden=arch.hidden_size, layers=arch.num_hidden_layers, heads=arch.num_attention_heads,
-               kv_heads=arch.num_key_value_heads, head_dim=arch.head_dim, vocab=arch.vocab_size,
-               theta=arch.rope.theta, tied=arch.tie_word_embeddings)
-    want = dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256, theta=ROPE_THETA,
-                tied=False)
+    got = dict(
+        hidden=arch.hidden_size,
+        layers=arch.num_hidden_layers,
+        heads=arch.num_attention_heads,
+        kv_heads=arch.num_key_value_heads,
+        head_dim=arch.head_dim,
+        vocab=arch.vocab_size,
+        theta=arch.rope.theta,
+        tied=arch.tie_word_embeddings,
+    )
+    want = dict(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256, theta=ROPE_THETA, tied=False)
     if got != want:
         raise SystemExit(f"config.json reads back as {got}, expected {want}")
     cost = machine.model_cost({**raw.get("text_config", {}), **raw}, "bfloat16")
-    print(f"wrote {path}: {DESC}; {cost.params / 1e9:.2f} B matmul params, "
-          f"{cost.weight_bytes / 1e9:.2f} GB read per decode step, "
-          f"KV {cost.kv_bytes_per_token // 1024} KiB/token (bf16)")
+    print(
+        f"wrote {path}: {DESC}; {cost.params / 1e9:.2f} B matmul params, "
+        f"{cost.weight_bytes / 1e9:.2f} GB read per decode step, "
+        f"KV {cost.kv_bytes_per_token // 1024} KiB/token (bf16)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

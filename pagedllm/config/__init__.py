@@ -13,15 +13,38 @@ from pagedllm.config.frontend import FrontendArgs
 from pagedllm.config.model import DEMO_MODEL_NAME, LoadArgs, ModelArgs, ModelConfig
 from pagedllm.config.options import GiB
 from pagedllm.config.parallel import ParallelArgs, ParallelConfig
-from pagedllm.config.scheduler import (CPU_SERVING_MAX_NUM_BATCHED_TOKENS, SchedulerArgs, SchedulerConfig,
-                                       default_max_num_batched_tokens)
+from pagedllm.config.scheduler import (
+    CPU_SERVING_MAX_NUM_BATCHED_TOKENS,
+    SchedulerArgs,
+    SchedulerConfig,
+    default_max_num_batched_tokens,
+)
 from pagedllm.config.speculative import SpeculativeArgs, SpeculativeConfig
 from pagedllm.config.structured_outputs import StructuredOutputsArgs, StructuredOutputsConfig
 
 __all__ = [
-    "CPU_SERVING_MAX_NUM_BATCHED_TOKENS", "DEFAULT_CPU_KV_CACHE_GIB", "DEMO_MODEL_NAME", "ENGINE_TOPICS", "GiB",
-    "CacheArgs", "CacheConfig", "DeviceArgs", "EngineArgs", "EngineConfig", "FrontendArgs", "LoadArgs",
-    "ModelArgs", "ModelConfig", "ParallelArgs", "ParallelConfig", "SchedulerArgs", "SchedulerConfig",
-    "SpeculativeArgs", "SpeculativeConfig", "StructuredOutputsArgs", "StructuredOutputsConfig",
-    "check_kv_budget", "default_max_num_batched_tokens",
+    "CPU_SERVING_MAX_NUM_BATCHED_TOKENS",
+    "DEFAULT_CPU_KV_CACHE_GIB",
+    "DEMO_MODEL_NAME",
+    "ENGINE_TOPICS",
+    "GiB",
+    "CacheArgs",
+    "CacheConfig",
+    "DeviceArgs",
+    "EngineArgs",
+    "EngineConfig",
+    "FrontendArgs",
+    "LoadArgs",
+    "ModelArgs",
+    "ModelConfig",
+    "ParallelArgs",
+    "ParallelConfig",
+    "SchedulerArgs",
+    "SchedulerConfig",
+    "SpeculativeArgs",
+    "SpeculativeConfig",
+    "StructuredOutputsArgs",
+    "StructuredOutputsConfig",
+    "check_kv_budget",
+    "default_max_num_batched_tokens",
 ]

@@ -25,14 +25,17 @@ class CacheArgs:
 
     block_size: int = option(16, "tokens per KV-cache block (a multiple of 8)")
     kv_cache_memory: float | None = option(
-        None, "KV cache size in GiB on CPU, capped at what max_num_seqs full-length requests use",
-        default_help=f"{DEFAULT_CPU_KV_CACHE_GIB:g} GiB on CPU")
-    gpu_memory_utilization: float = option(0.9, "share of GPU memory for weights, activations and KV cache on "
-                                           "CUDA")
+        None,
+        "KV cache size in GiB on CPU, capped at what max_num_seqs full-length requests use",
+        default_help=f"{DEFAULT_CPU_KV_CACHE_GIB:g} GiB on CPU",
+    )
+    gpu_memory_utilization: float = option(0.9, "share of GPU memory for weights, activations and KV cache on CUDA")
     enable_prefix_caching: bool = option(True, "reuse KV blocks of shared prompt prefixes")
-    num_gpu_blocks_override: int | None = option(None, "use exactly this many KV blocks (the null block "
-                                                 "included) instead of sizing the pool from memory",
-                                                 default_help="sized from memory")
+    num_gpu_blocks_override: int | None = option(
+        None,
+        "use exactly this many KV blocks (the null block included) instead of sizing the pool from memory",
+        default_help="sized from memory",
+    )
 
     def create_cache_config(self, device: str) -> CacheConfig:
         check_positive("block_size", self.block_size)
@@ -46,5 +49,10 @@ class CacheArgs:
         if gib is None and device == "cpu":
             gib = DEFAULT_CPU_KV_CACHE_GIB
         memory = None if gib is None else int(gib * GiB)
-        return CacheConfig(self.block_size, memory, self.gpu_memory_utilization, self.enable_prefix_caching,
-                           self.num_gpu_blocks_override)
+        return CacheConfig(
+            self.block_size,
+            memory,
+            self.gpu_memory_utilization,
+            self.enable_prefix_caching,
+            self.num_gpu_blocks_override,
+        )

@@ -13,12 +13,19 @@ from pagedllm.config.options import check_choice, option
 class DeviceArgs:
     """Where the model runs and which kernels it uses there."""
 
-    device: str = option("auto", "device; auto = $PAGEDLLM_DEVICE if set, else cuda if present, else cpu",
-                         choices=DEVICES)
-    attention_backend: str | None = option("auto", "attention kernels: auto = triton on CUDA (when triton is "
-                                    "installed), torch elsewhere", choices=ATTENTION_BACKENDS)
-    enforce_eager: bool = option(False, "CUDA: run every step eagerly, without capturing CUDA graphs for decode "
-                                 "batches (faster start-up, slower decode)")
+    device: str = option(
+        "auto", "device; auto = $PAGEDLLM_DEVICE if set, else cuda if present, else cpu", choices=DEVICES
+    )
+    attention_backend: str | None = option(
+        "auto",
+        "attention kernels: auto = triton on CUDA (when triton is installed), torch elsewhere",
+        choices=ATTENTION_BACKENDS,
+    )
+    enforce_eager: bool = option(
+        False,
+        "CUDA: run every step eagerly, without capturing CUDA graphs for decode "
+        "batches (faster start-up, slower decode)",
+    )
 
     def resolve_device(self) -> str:
         """cpu or cuda. Torch is imported only here, and only to look for a GPU."""

@@ -49,13 +49,22 @@ class EngineConfig:
 
 # The topics in the order their fields (and flags) appear: dataclasses collect base-class fields
 # from the last base to the first, so ModelArgs (model first) is listed last.
-ENGINE_TOPICS: tuple[type, ...] = (ModelArgs, LoadArgs, CacheArgs, SchedulerArgs, ParallelArgs, DeviceArgs,
-                                   StructuredOutputsArgs, SpeculativeArgs)
+ENGINE_TOPICS: tuple[type, ...] = (
+    ModelArgs,
+    LoadArgs,
+    CacheArgs,
+    SchedulerArgs,
+    ParallelArgs,
+    DeviceArgs,
+    StructuredOutputsArgs,
+    SpeculativeArgs,
+)
 
 
 @dataclass
-class EngineArgs(SpeculativeArgs, StructuredOutputsArgs, DeviceArgs, ParallelArgs, SchedulerArgs, CacheArgs,
-                 LoadArgs, ModelArgs):
+class EngineArgs(
+    SpeculativeArgs, StructuredOutputsArgs, DeviceArgs, ParallelArgs, SchedulerArgs, CacheArgs, LoadArgs, ModelArgs
+):
     """Every engine option, spelled as vLLM spells it: the fields of the topic dataclasses."""
 
     @classmethod
@@ -74,12 +83,16 @@ class EngineArgs(SpeculativeArgs, StructuredOutputsArgs, DeviceArgs, ParallelArg
         device = self.resolve_device()
         model_config = self.create_model_config(model_dir, arch, device, self.load_format)
         config = EngineConfig(
-            model_config, self.create_cache_config(device),
+            model_config,
+            self.create_cache_config(device),
             self.create_scheduler_config(model_config.max_model_len, device, usage_context),
-            self.create_parallel_config(), device, self.attention_backend,
+            self.create_parallel_config(),
+            device,
+            self.attention_backend,
             self.create_structured_outputs_config(),
             self.create_speculative_config(arch, model_config.max_model_len),
-            enforce_eager=bool(self.enforce_eager))
+            enforce_eager=bool(self.enforce_eager),
+        )
         check_kv_budget(config)
         return config
 
@@ -93,7 +106,9 @@ def check_kv_budget(config: EngineConfig) -> None:
     needed = config.blocks_per_max_len_request() + 1  # + the null block, as the worker counts it
     if blocks < needed:
         need_gib = needed * config.kv_bytes_per_block() / GiB
-        raise ValueError(f"kv_cache_memory={memory / GiB:.3g} GiB holds {blocks} blocks of "
-                         f"{config.cache_config.block_size} tokens, but one request of max_model_len="
-                         f"{config.model_config.max_model_len} needs {needed} blocks ({need_gib:.3g} GiB); "
-                         "raise kv_cache_memory or lower max_model_len")
+        raise ValueError(
+            f"kv_cache_memory={memory / GiB:.3g} GiB holds {blocks} blocks of "
+            f"{config.cache_config.block_size} tokens, but one request of max_model_len="
+            f"{config.model_config.max_model_len} needs {needed} blocks ({need_gib:.3g} GiB); "
+            "raise kv_cache_memory or lower max_model_len"
+        )

@@ -19,25 +19,47 @@ class FrontendArgs:
     host: str = option("0.0.0.0", "address to bind (0.0.0.0: all IPv4 interfaces)")
     port: int = option(8000, "port to listen on")
     api_key: list[str] | None = option(
-        None, "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (repeatable; /health, "
-        "/metrics and /version stay open)", default_help="no key required", metavar="KEY", action="append")
+        None,
+        "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (repeatable; /health, "
+        "/metrics and /version stay open)",
+        default_help="no key required",
+        metavar="KEY",
+        action="append",
+    )
     api_key_file: str | None = option(
-        None, "file with one accepted API key per line (blank lines and lines starting with # ignored)",
-        default_help="none", metavar="FILE")
+        None,
+        "file with one accepted API key per line (blank lines and lines starting with # ignored)",
+        default_help="none",
+        metavar="FILE",
+    )
     chat_template: str | None = option(
-        None, "chat template for /v1/chat/completions: a file path or an inline Jinja string",
-        default_help="the tokenizer's own template", metavar="FILE_OR_JINJA")
+        None,
+        "chat template for /v1/chat/completions: a file path or an inline Jinja string",
+        default_help="the tokenizer's own template",
+        metavar="FILE_OR_JINJA",
+    )
     enable_auto_tool_choice: bool = option(
-        False, 'let tool_choice "auto" (the default when a chat request has tools) parse tool calls out of '
-        "the model's text; needs --tool-call-parser")
+        False,
+        'let tool_choice "auto" (the default when a chat request has tools) parse tool calls out of '
+        "the model's text; needs --tool-call-parser",
+    )
     tool_call_parser: str | None = option(
-        None, "the model's tool-call format: hermes (<tool_call>{...}</tool_call>, Hermes/Qwen) or llama3_json "
-        '(a bare {"name", "parameters"} object, Llama 3.x)', choices=TOOL_CALL_PARSERS, default_help="none")
+        None,
+        "the model's tool-call format: hermes (<tool_call>{...}</tool_call>, Hermes/Qwen) or llama3_json "
+        '(a bare {"name", "parameters"} object, Llama 3.x)',
+        choices=TOOL_CALL_PARSERS,
+        default_help="none",
+    )
     uvicorn_log_level: str = option("info", "log level of uvicorn", choices=UVICORN_LOG_LEVELS)
     disable_uvicorn_access_log: bool = option(False, "do not log every HTTP request")
     shutdown_timeout: float = option(
-        30.0, "on SIGTERM/SIGINT, stop accepting and let in-flight requests finish for up to this many seconds "
-        "before cancelling them", metavar="SECONDS")
+        30.0,
+        "on SIGTERM/SIGINT, stop accepting and let in-flight requests finish for up to this many seconds "
+        "before cancelling them",
+        metavar="SECONDS",
+    )
     max_waiting_requests: int = option(
-        1024, "admit at most max_num_seqs + this many generation requests at once; beyond that new ones get 503 "
-        "with a Retry-After header instead of queueing without bound")
+        1024,
+        "admit at most max_num_seqs + this many generation requests at once; beyond that new ones get 503 "
+        "with a Retry-After header instead of queueing without bound",
+    )

@@ -5,8 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm.config.choices import (DTYPE_BYTES, DTYPE_CHOICES, DTYPES, LOAD_FORMATS, QUANTIZATION_METHODS,
-                                     canonical_dtype)
+from pagedllm.config.choices import (
+    DTYPE_BYTES,
+    DTYPE_CHOICES,
+    DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATION_METHODS,
+    canonical_dtype,
+)
 from pagedllm.config.options import check_choice, check_positive, option
 from pagedllm.model_arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
 
@@ -35,8 +41,11 @@ class ModelConfig:
 class LoadArgs:
     """Where the weights come from."""
 
-    load_format: str = option("auto", "auto/safetensors: load the weights; dummy: random weights from "
-                              "config.json (benchmarks)", choices=LOAD_FORMATS)
+    load_format: str = option(
+        "auto",
+        "auto/safetensors: load the weights; dummy: random weights from config.json (benchmarks)",
+        choices=LOAD_FORMATS,
+    )
 
     def check_load(self) -> None:
         check_choice("load_format", self.load_format, LOAD_FORMATS)
@@ -46,53 +55,76 @@ class LoadArgs:
 class ModelArgs:
     """Which model, in which dtype, with which context length."""
 
-    model: str | None = option(None, "local Hugging Face-format model directory",
-                               default_help="the built-in demo model", positional=True)
+    model: str | None = option(
+        None, "local Hugging Face-format model directory", default_help="the built-in demo model", positional=True
+    )
     tokenizer: str | None = option(None, "tokenizer directory", default_help="the model directory")
     served_model_name: str | None = option(
-        None, "model name(s) the API answers to; the first is reported in responses and metrics",
-        default_help=f"the model path as given, or {DEMO_MODEL_NAME}", metavar="NAME", nargs="+")
-    dtype: str = option("auto", "weight and activation dtype; auto = float32 on CPU, the checkpoint's dtype "
-                        "on GPU", choices=DTYPE_CHOICES)
+        None,
+        "model name(s) the API answers to; the first is reported in responses and metrics",
+        default_help=f"the model path as given, or {DEMO_MODEL_NAME}",
+        metavar="NAME",
+        nargs="+",
+    )
+    dtype: str = option(
+        "auto",
+        "weight and activation dtype; auto = float32 on CPU, the checkpoint's dtype on GPU",
+        choices=DTYPE_CHOICES,
+    )
     quantization: str | None = option(
-        None, "int8: weight-only int8 linear layers with per-channel scales (CPU, float32): a quarter of the "
-        "weight bytes, faster small-batch decode; the LM head stays float32", choices=QUANTIZATION_METHODS,
-        default_help="off", aliases=("-q",))
-    max_model_len: int | None = option(None, "context length (prompt + output)",
-                                       default_help="the model's max_position_embeddings")
+        None,
+        "int8: weight-only int8 linear layers with per-channel scales (CPU, float32): a quarter of the "
+        "weight bytes, faster small-batch decode; the LM head stays float32",
+        choices=QUANTIZATION_METHODS,
+        default_help="off",
+        aliases=("-q",),
+    )
+    max_model_len: int | None = option(
+        None, "context length (prompt + output)", default_help="the model's max_position_embeddings"
+    )
     seed: int = option(0, "random seed for dummy weights and unseeded sampling")
     trust_remote_code: bool = option(False, "allow custom code from the model directory")
 
     def model_dir(self) -> str:
         """The model directory; the entrypoints fill in the demo model before this runs."""
         if self.model is None:
-            raise ValueError("no model given: pass a local Hugging Face-format directory (model=DIR); "
-                             "LLM() and `pagedllm serve` without one use the built-in demo model")
+            raise ValueError(
+                "no model given: pass a local Hugging Face-format directory (model=DIR); "
+                "LLM() and `pagedllm serve` without one use the built-in demo model"
+            )
         path = Path(self.model).expanduser()
         if not path.is_dir():
-            raise ValueError(f"model {self.model!r} is not a local directory. pagedllm loads Hugging Face-format "
-                             "directories (config.json + *.safetensors + tokenizer) and never downloads; "
-                             "pass a path, or omit the model to use the built-in demo model")
+            raise ValueError(
+                f"model {self.model!r} is not a local directory. pagedllm loads Hugging Face-format "
+                "directories (config.json + *.safetensors + tokenizer) and never downloads; "
+                "pass a path, or omit the model to use the built-in demo model"
+            )
         return str(path)
 
-    def create_model_config(self, model_dir: str, arch: ModelArchConfig, device: str,
-                            load_format: str) -> ModelConfig:
+    def create_model_config(self, model_dir: str, arch: ModelArchConfig, device: str, load_format: str) -> ModelConfig:
         check_architecture(arch)
         dtype = resolve_dtype(self.dtype, arch, device)
         check_quantization(self.quantization, device, dtype)
         return ModelConfig(
-            model=model_dir, tokenizer=self.tokenizer or model_dir, arch=arch, dtype=dtype,
+            model=model_dir,
+            tokenizer=self.tokenizer or model_dir,
+            arch=arch,
+            dtype=dtype,
             max_model_len=resolve_max_model_len(self.max_model_len, arch),
-            load_format=load_format, seed=self.seed, trust_remote_code=self.trust_remote_code,
+            load_format=load_format,
+            seed=self.seed,
+            trust_remote_code=self.trust_remote_code,
             served_model_name=self.served_model_name or (self.model or DEMO_MODEL_NAME),
-            quantization=self.quantization)
+            quantization=self.quantization,
+        )
 
 
 def check_architecture(arch: ModelArchConfig, what: str = "architecture") -> None:
     """ValueError naming the supported architectures (``what``: whose, e.g. "draft model architecture")."""
     if arch.architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"{what} {arch.architecture!r} is not supported; supported: "
-                         f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}")
+        raise ValueError(
+            f"{what} {arch.architecture!r} is not supported; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        )
 
 
 def resolve_dtype(dtype: str, arch: ModelArchConfig, device: str) -> str:
@@ -111,14 +143,19 @@ def check_quantization(quantization: str | None, device: str, dtype: str) -> Non
     if quantization is None:
         return
     if quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None (off) or one of {', '.join(QUANTIZATION_METHODS)}; "
-                         f"got {quantization!r}")
+        raise ValueError(
+            f"quantization must be None (off) or one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}"
+        )
     if device != "cpu":
-        raise ValueError(f"quantization={quantization!r} runs on CPU only, the device is {device}; "
-                         "pass device='cpu' (--device cpu) or drop the quantization")
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU only, the device is {device}; "
+            "pass device='cpu' (--device cpu) or drop the quantization"
+        )
     if dtype != "float32":
-        raise ValueError(f"quantization={quantization!r} needs dtype float32 (activations stay float32), got "
-                         f"{dtype}; pass dtype='float32' (or 'auto') or drop the quantization")
+        raise ValueError(
+            f"quantization={quantization!r} needs dtype float32 (activations stay float32), got "
+            f"{dtype}; pass dtype='float32' (or 'auto') or drop the quantization"
+        )
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
@@ -127,6 +164,8 @@ def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:
         return limit
     check_positive("max_model_len", requested)
     if requested > limit:
-        raise ValueError(f"max_model_len={requested} is larger than the model supports "
-                         f"(max_position_embeddings={limit}); lower max_model_len to at most {limit}")
+        raise ValueError(
+            f"max_model_len={requested} is larger than the model supports "
+            f"(max_position_embeddings={limit}); lower max_model_len to at most {limit}"
+        )
     return requested

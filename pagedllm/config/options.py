@@ -31,12 +31,22 @@ class OptionInfo:
     positional: bool = False  # the command's positional argument (``pagedllm serve MODEL``)
 
 
-def option(default: Any, help: str, *, choices: Sequence[str] | None = None, default_help: str | None = None,
-           aliases: tuple[str, ...] = (), metavar: str | None = None, nargs: str | None = None,
-           action: str | None = None, positional: bool = False) -> Any:
+def option(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    default_help: str | None = None,
+    aliases: tuple[str, ...] = (),
+    metavar: str | None = None,
+    nargs: str | None = None,
+    action: str | None = None,
+    positional: bool = False,
+) -> Any:
     """A dataclass field with a default and its :class:`OptionInfo`."""
-    info = OptionInfo(help, tuple(choices) if choices is not None else None, default_help, aliases, metavar,
-                      nargs, action, positional)
+    info = OptionInfo(
+        help, tuple(choices) if choices is not None else None, default_help, aliases, metavar, nargs, action, positional
+    )
     return dataclasses.field(default=default, metadata={_KEY: info})
 
 

@@ -41,14 +41,19 @@ class SchedulerArgs:
 
     max_num_seqs: int = option(256, "most sequences in one step")
     max_num_batched_tokens: int | None = option(
-        None, "token budget per step; longer prompts are chunked",
+        None,
+        "token budget per step; longer prompts are chunked",
         default_help=f"{DEFAULT_MAX_NUM_BATCHED_TOKENS}; {CPU_SERVING_MAX_NUM_BATCHED_TOKENS} for `serve` on "
-                     "CPU, where a bigger chunk stalls every stream for seconds")
-    scheduling_policy: str = option("fcfs", "fcfs, or priority (lower value first; preempts the lowest "
-                                    "priority)", choices=SCHEDULING_POLICIES)
+        "CPU, where a bigger chunk stalls every stream for seconds",
+    )
+    scheduling_policy: str = option(
+        "fcfs", "fcfs, or priority (lower value first; preempts the lowest priority)", choices=SCHEDULING_POLICIES
+    )
     long_prefill_token_threshold: int = option(
-        0, "most prompt tokens one request computes per step (0 = only the step budget); a cap keeps long "
-        "prompts from stalling running decodes (lower inter-token latency)")
+        0,
+        "most prompt tokens one request computes per step (0 = only the step budget); a cap keeps long "
+        "prompts from stalling running decodes (lower inter-token latency)",
+    )
 
     def create_scheduler_config(self, max_model_len: int, device: str, usage_context: str) -> SchedulerConfig:
         check_positive("max_num_seqs", self.max_num_seqs)

@@ -52,16 +52,27 @@ class SpeculativeArgs:
 
     # vLLM's JSON spelling, e.g. {"method": "ngram", "num_speculative_tokens": 4}; a dict or a JSON string.
     speculative_config: dict | str | None = option(
-        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+        None,
+        'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         f'"prompt_lookup_max": {DEFAULT_PROMPT_LOOKUP_MAX}, "prompt_lookup_min": {DEFAULT_PROMPT_LOOKUP_MIN}}}\' '
         'or \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; output is unchanged, '
-        "only faster", default_help="off", metavar="JSON")
+        "only faster",
+        default_help="off",
+        metavar="JSON",
+    )
     speculative_model: str | None = option(
-        None, 'draft model directory for speculative decoding (same tokenizer), or "[ngram]" for prompt '
-        "lookup; use with --num-speculative-tokens", default_help="off", metavar="DIR")
+        None,
+        'draft model directory for speculative decoding (same tokenizer), or "[ngram]" for prompt '
+        "lookup; use with --num-speculative-tokens",
+        default_help="off",
+        metavar="DIR",
+    )
     num_speculative_tokens: int | None = option(
-        None, f"tokens proposed per step with --speculative-model (1-{MAX_SPECULATIVE_TOKENS})",
-        default_help="off", metavar="K")
+        None,
+        f"tokens proposed per step with --speculative-model (1-{MAX_SPECULATIVE_TOKENS})",
+        default_help="off",
+        metavar="K",
+    )
 
     def create_speculative_config(self, target: ModelArchConfig, max_model_len: int) -> SpeculativeConfig | None:
         """The validated config, or None when speculation is off."""
@@ -71,8 +82,9 @@ class SpeculativeArgs:
         method = _method(fields)
         k = fields.get("num_speculative_tokens")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
-            raise ValueError(f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} "
-                             f"(e.g. 4), got {k!r}")
+            raise ValueError(
+                f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} (e.g. 4), got {k!r}"
+            )
         if method == "ngram":
             lo, hi = _lookup_range(fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max"))
             return SpeculativeConfig("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi)
@@ -88,8 +100,10 @@ def _parse(spec: dict | str | None) -> dict[str, Any]:
         try:
             spec = json.loads(spec)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"speculative_config is not valid JSON ({exc}); example: "
-                             '\'{"method": "ngram", "num_speculative_tokens": 4}\'') from None
+            raise ValueError(
+                f"speculative_config is not valid JSON ({exc}); example: "
+                '\'{"method": "ngram", "num_speculative_tokens": 4}\''
+            ) from None
     if not isinstance(spec, dict):
         raise ValueError(f"speculative_config must be a JSON object, got {type(spec).__name__}")
     unknown = sorted(set(spec) - set(_KEYS))
@@ -104,8 +118,10 @@ def _merge(fields: dict[str, Any], model: str | None, k: int | None) -> dict[str
         if value is None:
             continue
         if key in fields and fields[key] != value:
-            raise ValueError(f"{key} is given twice with different values ({fields[key]!r} in "
-                             f"speculative_config, {value!r} as a flag); give it once")
+            raise ValueError(
+                f"{key} is given twice with different values ({fields[key]!r} in "
+                f"speculative_config, {value!r} as a flag); give it once"
+            )
         fields[key] = value
     if fields.get("model") == _NGRAM_MODEL:
         fields.pop("model")
@@ -116,11 +132,14 @@ def _merge(fields: dict[str, Any], model: str | None, k: int | None) -> dict[str
 def _method(fields: dict[str, Any]) -> str:
     method = fields.get("method") or ("draft_model" if fields.get("model") else None)
     if method is None:
-        raise ValueError('speculative decoding needs a method: "ngram" (prompt lookup) or "draft_model" '
-                         'with "model": a local directory of a smaller model with the same tokenizer')
+        raise ValueError(
+            'speculative decoding needs a method: "ngram" (prompt lookup) or "draft_model" '
+            'with "model": a local directory of a smaller model with the same tokenizer'
+        )
     if method not in SPECULATIVE_METHODS:
-        raise ValueError(f"speculative method {method!r} does not exist; choose one of "
-                         f"{', '.join(SPECULATIVE_METHODS)}")
+        raise ValueError(
+            f"speculative method {method!r} does not exist; choose one of {', '.join(SPECULATIVE_METHODS)}"
+        )
     if method == "ngram" and fields.get("model"):
         raise ValueError('method "ngram" takes no model; drop "model" or use method "draft_model"')
     if method == "draft_model" and not fields.get("model"):
@@ -145,14 +164,17 @@ def _lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
 def _draft_arch(model: str, target: ModelArchConfig, max_model_len: int) -> ModelArchConfig:
     path = Path(model).expanduser()
     if not path.is_dir():
-        raise ValueError(f"draft model {model!r} is not a local directory (Hugging Face format; nothing is "
-                         "downloaded)")
+        raise ValueError(f"draft model {model!r} is not a local directory (Hugging Face format; nothing is downloaded)")
     draft = normalize_hf_config(load_hf_config(str(path)))
     check_architecture(draft, "draft model architecture")
     if draft.vocab_size != target.vocab_size:
-        raise ValueError(f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
-                         f"({target.vocab_size}); a draft model must share the target's tokenizer")
+        raise ValueError(
+            f"the draft model's vocabulary ({draft.vocab_size} tokens) differs from the target's "
+            f"({target.vocab_size}); a draft model must share the target's tokenizer"
+        )
     if draft.max_position_embeddings < max_model_len:
-        raise ValueError(f"the draft model supports {draft.max_position_embeddings} positions but max_model_len "
-                         f"is {max_model_len}; lower max_model_len to at most {draft.max_position_embeddings}")
+        raise ValueError(
+            f"the draft model supports {draft.max_position_embeddings} positions but max_model_len "
+            f"is {max_model_len}; lower max_model_len to at most {draft.max_position_embeddings}"
+        )
     return draft

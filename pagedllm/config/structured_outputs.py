@@ -19,10 +19,14 @@ class StructuredOutputsConfig:
 class StructuredOutputsArgs:
     """The grammar engine that constrains outputs, and its compile deadline."""
 
-    structured_outputs_backend: str = option("xgrammar", "grammar engine for JSON schema / regex / choice / "
-                                             "grammar outputs", choices=STRUCTURED_OUTPUTS_BACKENDS)
+    structured_outputs_backend: str = option(
+        "xgrammar",
+        "grammar engine for JSON schema / regex / choice / grammar outputs",
+        choices=STRUCTURED_OUTPUTS_BACKENDS,
+    )
     structured_outputs_compile_timeout: float = option(
-        30.0, "a constraint that does not compile within this many seconds is rejected (400)", metavar="SECONDS")
+        30.0, "a constraint that does not compile within this many seconds is rejected (400)", metavar="SECONDS"
+    )
 
     def create_structured_outputs_config(self) -> StructuredOutputsConfig:
         check_choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)

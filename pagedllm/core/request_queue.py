@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Iterator, Protocol
+from collections.abc import Iterator
+from typing import Protocol
 
 from pagedllm.request import Request
 

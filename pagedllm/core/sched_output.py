@@ -70,9 +70,9 @@ class ModelRunnerOutput:
     # with speculation, the accepted proposals followed by one sampled token.
     sampled_token_ids: dict[str, list[int]]
     # req_id -> logprobs rows of the sampled tokens (only requests that asked for them).
-    logprobs: dict[str, "LogprobsLists"] = field(default_factory=dict)
+    logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> logprobs of this step's prompt positions (requests with prompt_logprobs).
-    prompt_logprobs: dict[str, "LogprobsLists"] = field(default_factory=dict)
+    prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> tokens proposed for the next step (speculative decoding; absent = none).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
 

@@ -21,8 +21,13 @@ from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.step_plan import StepPlan, build_scheduler_output
 from pagedllm.core.step_result import append_and_check_stop, make_output, settle_spec_tokens
-from pagedllm.engine.protocol import (EngineCoreOutput, EngineCoreOutputs, FinishReason, SchedulerStats,
-                                      SpecDecodingStats)
+from pagedllm.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    FinishReason,
+    SchedulerStats,
+    SpecDecodingStats,
+)
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
@@ -31,15 +36,21 @@ from pagedllm.request import Request, RequestStatus
 class Scheduler:
     """Decides, every step, which requests run and how many tokens each computes."""
 
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig, num_blocks: int,
-                 speculative_config: SpeculativeConfig | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        speculative_config: SpeculativeConfig | None = None,
+    ) -> None:
         self.config = scheduler_config
         # Slots past the scheduled tokens that a draft model writes its own KV into.
         self.num_lookahead_tokens = 0 if speculative_config is None else speculative_config.num_lookahead_tokens
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
         self.max_model_len = scheduler_config.max_model_len
-        self.kv_cache_manager = KVCacheManager(num_blocks, cache_config.block_size,
-                                               enable_caching=cache_config.enable_prefix_caching)
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching
+        )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
         self.running: list[Request] = []
@@ -112,8 +123,9 @@ class Scheduler:
         """Finish a request that never ran with an error the front end reports."""
         request.stop_reason = message
         self._free_request(request, RequestStatus.FINISHED_ERROR)
-        self._pending_outputs.append(EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR,
-                                                      stop_reason=message))
+        self._pending_outputs.append(
+            EngineCoreOutput(request.request_id, [], finish_reason=FinishReason.ERROR, stop_reason=message)
+        )
 
     def _schedule_running(self, plan: StepPlan) -> None:
         # A snapshot: preemption removes entries from self.running as we go.
@@ -143,8 +155,9 @@ class Scheduler:
     def _allocate_or_preempt(self, request: Request, num_new: int, plan: StepPlan) -> list[int] | None:
         """Allocate slots, preempting other running requests until they fit."""
         while True:
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new,
-                                                             num_lookahead_tokens=self.num_lookahead_tokens)
+            block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, num_lookahead_tokens=self.num_lookahead_tokens
+            )
             if block_ids is not None:
                 return block_ids
             victim = self._pick_victim()
@@ -176,8 +189,9 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_computed = self._lookup_prefix(request)
             num_new = self._num_new_tokens(request.num_tokens - num_computed, plan)
-            block_ids = self.kv_cache_manager.allocate_slots(request, num_new, computed_blocks,
-                                                             self.num_lookahead_tokens)
+            block_ids = self.kv_cache_manager.allocate_slots(
+                request, num_new, computed_blocks, self.num_lookahead_tokens
+            )
             if block_ids is None:
                 return  # head-of-line request does not fit; keep the order
             self.waiting.pop()
@@ -206,8 +220,9 @@ class Scheduler:
         self.running.append(request)
 
     # ------------------------------------------------------------------ update
-    def update_from_output(self, scheduler_output: SchedulerOutput,
-                           runner_output: ModelRunnerOutput) -> EngineCoreOutputs:
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, free finished requests."""
         outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
@@ -222,8 +237,9 @@ class Scheduler:
                 self._free_request(request, request.status)
         return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
 
-    def _update_request(self, request: Request, scheduler_output: SchedulerOutput,
-                        runner_output: ModelRunnerOutput) -> EngineCoreOutput | None:
+    def _update_request(
+        self, request: Request, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> EngineCoreOutput | None:
         """One scheduled request's results; None when it has nothing to report this step."""
         req_id = request.request_id
         new_ids = runner_output.sampled_token_ids.get(req_id, [])
@@ -248,8 +264,14 @@ class Scheduler:
     # ------------------------------------------------------------------ stats
     def make_stats(self) -> SchedulerStats:
         queries, hits = self.kv_cache_manager.make_prefix_cache_stats()
-        stats = SchedulerStats(len(self.running), len(self.waiting) + len(self.compiling), self.kv_cache_manager.usage,
-                               queries, hits, self.num_preemptions)
+        stats = SchedulerStats(
+            len(self.running),
+            len(self.waiting) + len(self.compiling),
+            self.kv_cache_manager.usage,
+            queries,
+            hits,
+            self.num_preemptions,
+        )
         self.num_preemptions = 0
         if self.spec_stats is not None and self.spec_stats.num_drafts:
             stats.spec_decoding, self.spec_stats = self.spec_stats, SpecDecodingStats()

@@ -43,24 +43,31 @@ class StepPlan:
         request.spec_token_ids = []
 
 
-def build_scheduler_output(plan: StepPlan, requests: dict[str, Request], kv_cache_manager: KVCacheManager,
-                           finished_req_ids: set[str]) -> SchedulerOutput:
+def build_scheduler_output(
+    plan: StepPlan, requests: dict[str, Request], kv_cache_manager: KVCacheManager, finished_req_ids: set[str]
+) -> SchedulerOutput:
     """The plan as the worker reads it. Call before the computed counts advance."""
     new_reqs = [
-        NewRequestData(r.request_id, r.prompt_token_ids, r.sampling_params,
-                       plan.new_block_ids[r.request_id], r.num_computed_tokens)
+        NewRequestData(
+            r.request_id, r.prompt_token_ids, r.sampling_params, plan.new_block_ids[r.request_id], r.num_computed_tokens
+        )
         for r in plan.new_reqs
     ]
     cached = CachedRequestData()
     for r in plan.cached_reqs:
         resumed = r.request_id in plan.resumed
-        block_ids = (kv_cache_manager.get_block_ids(r.request_id) if resumed
-                     else plan.new_block_ids[r.request_id])
+        block_ids = kv_cache_manager.get_block_ids(r.request_id) if resumed else plan.new_block_ids[r.request_id]
         cached.add(r.request_id, resumed, block_ids, r.num_computed_tokens)
-    return SchedulerOutput(new_reqs, cached, dict(plan.num_scheduled_tokens),
-                           sum(plan.num_scheduled_tokens.values()), set(finished_req_ids),
-                           {r.request_id for r in plan.preempted}, _structured_rows(plan, requests),
-                           scheduled_spec_decode_tokens=plan.spec_tokens)
+    return SchedulerOutput(
+        new_reqs,
+        cached,
+        dict(plan.num_scheduled_tokens),
+        sum(plan.num_scheduled_tokens.values()),
+        set(finished_req_ids),
+        {r.request_id for r in plan.preempted},
+        _structured_rows(plan, requests),
+        scheduled_spec_decode_tokens=plan.spec_tokens,
+    )
 
 
 def _structured_rows(plan: StepPlan, requests: dict[str, Request]) -> list[str]:
@@ -68,7 +75,6 @@ def _structured_rows(plan: StepPlan, requests: dict[str, Request]) -> list[str]:
     rows = []
     for req_id, num_tokens in plan.num_scheduled_tokens.items():
         request = requests[req_id]
-        if (request.structured_output is not None
-                and request.num_computed_tokens + num_tokens == request.num_tokens):
+        if request.structured_output is not None and request.num_computed_tokens + num_tokens == request.num_tokens:
             rows.append(req_id)
     return rows

@@ -8,8 +8,9 @@ from pagedllm.engine.protocol import EngineCoreOutput, LogprobsLists, SpecDecodi
 from pagedllm.request import Request, RequestStatus
 
 
-def settle_spec_tokens(request: Request, drafts: list[int] | None, new_ids: list[int],
-                       spec_stats: SpecDecodingStats | None) -> tuple[int, int]:
+def settle_spec_tokens(
+    request: Request, drafts: list[int] | None, new_ids: list[int], spec_stats: SpecDecodingStats | None
+) -> tuple[int, int]:
     """Roll ``num_computed_tokens`` back past the rejected proposals: their KV slots are simply
     overwritten later (no block is freed or leaked, and hashes only ever cover accepted
     tokens). Returns (proposals verified, accepted) this step; (0, 0) without speculation."""
@@ -29,7 +30,7 @@ def append_and_check_stop(request: Request, new_ids: list[int], max_model_len: i
         status = check_stop(request, token, max_model_len)
         if status is not None:
             request.status = status
-            return new_ids[:i + 1]
+            return new_ids[: i + 1]
     return new_ids
 
 
@@ -56,14 +57,22 @@ def check_stop(request: Request, token: int, max_model_len: int) -> RequestStatu
     return None
 
 
-def make_output(request: Request, new_ids: list[int], runner_output: ModelRunnerOutput,
-                prompt_logprobs: LogprobsLists | None) -> EngineCoreOutput:
+def make_output(
+    request: Request, new_ids: list[int], runner_output: ModelRunnerOutput, prompt_logprobs: LogprobsLists | None
+) -> EngineCoreOutput:
     """The request's output of this step; logprobs rows past a stop are cut off with the tokens."""
     logprobs = runner_output.logprobs.get(request.request_id)
     if logprobs is not None and len(new_ids) < len(logprobs.sampled_token_ranks):
         n = len(new_ids)
-        logprobs = type(logprobs)(logprobs.logprob_token_ids[:n], logprobs.logprobs[:n],
-                                  logprobs.sampled_token_ranks[:n])
-    return EngineCoreOutput(request.request_id, new_ids, logprobs, prompt_logprobs,
-                            request.status.finish_reason, request.stop_reason,
-                            max(request.num_cached_tokens, 0))
+        logprobs = type(logprobs)(
+            logprobs.logprob_token_ids[:n], logprobs.logprobs[:n], logprobs.sampled_token_ranks[:n]
+        )
+    return EngineCoreOutput(
+        request.request_id,
+        new_ids,
+        logprobs,
+        prompt_logprobs,
+        request.status.finish_reason,
+        request.stop_reason,
+        max(request.num_cached_tokens, 0),
+    )

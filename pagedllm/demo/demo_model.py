@@ -41,8 +41,15 @@ def ensure_demo_model() -> Path:
     staging = Path(tempfile.mkdtemp(prefix=".demo-llama.build-", dir=path.parent))
     try:
         build_tiny_model(
-            staging / "model", "llama", seed=0, tokenizer_vocab_size=2048, hidden_size=256,
-            num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=688,
+            staging / "model",
+            "llama",
+            seed=0,
+            tokenizer_vocab_size=2048,
+            hidden_size=256,
+            num_layers=4,
+            num_heads=8,
+            num_kv_heads=4,
+            intermediate_size=688,
             max_position_embeddings=2048,
         )
         (staging / "model" / "README.md").write_text(_DEMO_README)
@@ -57,5 +64,6 @@ def with_demo_model(args: EngineArgs) -> EngineArgs:
     served as "pagedllm-demo"; other args unchanged. Builds the model on first use."""
     if args.model not in (None, DEMO_MODEL_NAME):
         return args
-    return dataclasses.replace(args, model=str(ensure_demo_model()),
-                               served_model_name=args.served_model_name or DEMO_MODEL_NAME)
+    return dataclasses.replace(
+        args, model=str(ensure_demo_model()), served_model_name=args.served_model_name or DEMO_MODEL_NAME
+    )

@@ -63,8 +63,11 @@ def _make_config(arch: str, tok: Any, vocab_size: int | None, kw: dict[str, Any]
         raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer ({len(tok)} tokens)")
     config_cls = getattr(transformers, _ARCHES[arch][0])
     return config_cls(
-        vocab_size=vocab_size or len(tok), bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, **kw,
+        vocab_size=vocab_size or len(tok),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **kw,
     )
 
 
@@ -141,10 +144,15 @@ def build_tiny_model(
         return path
     _validate_args(arch, dtype, head_dim, hidden_size // num_heads)
     kw = dict(
-        hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads, head_dim=head_dim or hidden_size // num_heads,
-        intermediate_size=intermediate_size, max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings, dtype=dtype,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        dtype=dtype,
         rope_parameters=_rope_parameters(rope_scaling, config_overrides.pop("rope_theta", 10000.0)),
         **_sliding_kwargs(arch, sliding_window),
     )

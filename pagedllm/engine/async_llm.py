@@ -11,7 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import AsyncMPClient, EngineDeadError
@@ -42,7 +43,7 @@ class AsyncLLM:
         self._output_task: asyncio.Task | None = None
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> "AsyncLLM":
+    def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:
         return cls(args.create_engine_config(), **kwargs)
 
     @property
@@ -54,12 +55,17 @@ class AsyncLLM:
         return self.dead_error is None and self.client.is_alive
 
     # ------------------------------------------------------------------ requests
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0, cache_salt: str | None = None,
-                       strict_max_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        strict_max_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request. Cancelling the consumer aborts the request."""
-        queue = await self.add_request(request_id, prompt, sampling_params, priority, cache_salt,
-                                       strict_max_tokens)
+        queue = await self.add_request(request_id, prompt, sampling_params, priority, cache_salt, strict_max_tokens)
         finished = False
         try:
             while not finished:
@@ -74,16 +80,28 @@ class AsyncLLM:
             if not finished:
                 await self.abort(request_id)
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, cache_salt: str | None = None,
-                          strict_max_tokens: bool = True) -> asyncio.Queue:
+    async def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        strict_max_tokens: bool = True,
+    ) -> asyncio.Queue:
         """Validate (raises ValueError), then queue the request in the engine."""
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request, text = self.input_processor.process(request_id, prompt, params, priority=priority,
-                                                     cache_salt=cache_salt, strict_max_tokens=strict_max_tokens,
-                                                     check_grammar=False)
+        request, text = self.input_processor.process(
+            request_id,
+            prompt,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+            strict_max_tokens=strict_max_tokens,
+            check_grammar=False,
+        )
         await self.check_structured_outputs(params)
         if request_id in self._queues:  # taken while the grammar compiled
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -167,8 +185,9 @@ class AsyncLLM:
         """The engine is gone: every waiting client gets an error now, not a hang."""
         if self.dead_error is None:
             code = self.client.proc.exitcode
-            self.dead_error = EngineDeadError(f"the engine core process died (exit code {code})"
-                                              + (f": {cause}" if cause else ""))
+            self.dead_error = EngineDeadError(
+                f"the engine core process died (exit code {code})" + (f": {cause}" if cause else "")
+            )
             logger.error("%s", self.dead_error)
         for queue in self._queues.values():
             queue.put_nowait(self.dead_error)

@@ -30,8 +30,9 @@ class EngineCore:
         self.executor = UniProcExecutor(config)
         self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
-        self.scheduler = Scheduler(config.scheduler_config, config.cache_config, self.num_blocks,
-                                   config.speculative_config)
+        self.scheduler = Scheduler(
+            config.scheduler_config, config.cache_config, self.num_blocks, config.speculative_config
+        )
         self.structured_output_manager = StructuredOutputManager(config, grammar_compiler)
         self.startup_seconds = time.perf_counter() - start
         logger.info("engine ready in %.1f s: %s", self.startup_seconds, self.capacity_summary())
@@ -40,8 +41,10 @@ class EngineCore:
         bs = self.config.cache_config.block_size
         usable = self.num_blocks - 1
         per_req = self.config.blocks_per_max_len_request()
-        return (f"{usable} KV blocks of {bs} tokens = {usable * bs} tokens; "
-                f"{usable // per_req} requests of max_model_len={self.config.model_config.max_model_len} fit")
+        return (
+            f"{usable} KV blocks of {bs} tokens = {usable * bs} tokens; "
+            f"{usable // per_req} requests of max_model_len={self.config.model_config.max_model_len} fit"
+        )
 
     def add_request(self, request: EngineCoreRequest) -> None:
         req = Request.from_engine_core_request(request)
@@ -62,7 +65,8 @@ class EngineCore:
         if sched.is_empty and self.scheduler.compiling:
             self.structured_output_manager.wait_for_compiles(self.scheduler.compiling, _COMPILE_WAIT_S)
         sched.grammar_bitmask = self.structured_output_manager.grammar_bitmask(
-            sched.structured_output_request_ids, self.scheduler.requests)
+            sched.structured_output_request_ids, self.scheduler.requests
+        )
         runner_output = self.executor.execute_model(sched)
         return self.scheduler.update_from_output(sched, runner_output)
 

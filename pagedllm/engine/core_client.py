@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import multiprocessing
@@ -17,8 +18,13 @@ import zmq.asyncio
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_proc import run_engine_core
-from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequest,
-                                      EngineCoreRequestType, UtilityResult)
+from pagedllm.engine.protocol import (
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    UtilityResult,
+)
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.compiler import GrammarTimeoutError
 
@@ -43,8 +49,10 @@ class AsyncMPClient:
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(self.output_addr)
         self.encoder = msgspec.msgpack.Encoder()
-        self.decoders = {EngineCoreOutputType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
-                         EngineCoreOutputType.UTILITY: msgspec.msgpack.Decoder(UtilityResult)}
+        self.decoders = {
+            EngineCoreOutputType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
+            EngineCoreOutputType.UTILITY: msgspec.msgpack.Decoder(UtilityResult),
+        }
         self.grammar_timeout_s = config.structured_outputs_config.compile_timeout_s
         self.capacity: dict = {}
         self.proc = self._start_process(config)
@@ -54,8 +62,12 @@ class AsyncMPClient:
     def _start_process(self, config: EngineConfig) -> multiprocessing.Process:
         ctx = multiprocessing.get_context("spawn")  # fork after torch threads start is unsafe
         reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(target=run_engine_core, name="pagedllm-engine-core", daemon=True,
-                           args=(config, self.input_addr, self.output_addr, writer, os.getpid()))
+        proc = ctx.Process(
+            target=run_engine_core,
+            name="pagedllm-engine-core",
+            daemon=True,
+            args=(config, self.input_addr, self.output_addr, writer, os.getpid()),
+        )
         proc.start()
         writer.close()
         if not reader.poll(_START_TIMEOUT_S):
@@ -152,7 +164,5 @@ class AsyncMPClient:
             self.proc.join(timeout)
         self.ctx.destroy(linger=0)
         for addr in (self.input_addr, self.output_addr):
-            try:
-                os.unlink(addr[len("ipc://"):])
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                os.unlink(addr[len("ipc://") :])

@@ -64,10 +64,18 @@ class EngineCoreProc:
         self._ctx = zmq.Context()
         self._stopping = threading.Event()
         self._threads = [
-            threading.Thread(target=self._guard, args=("input", self._input_loop, input_addr),
-                             name="pagedllm-engine-input", daemon=True),
-            threading.Thread(target=self._guard, args=("output", self._output_loop, output_addr),
-                             name="pagedllm-engine-output", daemon=True),
+            threading.Thread(
+                target=self._guard,
+                args=("input", self._input_loop, input_addr),
+                name="pagedllm-engine-input",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._guard,
+                args=("output", self._output_loop, output_addr),
+                name="pagedllm-engine-output",
+                daemon=True,
+            ),
         ]
         for thread in self._threads:
             thread.start()
@@ -151,7 +159,8 @@ class EngineCoreProc:
         result, so the request that follows does not compile it again."""
         future = self.core.structured_output_manager.compiler.submit(params)
         future.add_done_callback(
-            lambda f: self.output_queue.put((EngineCoreOutputType.UTILITY, _grammar_verdict(call_id, f))))
+            lambda f: self.output_queue.put((EngineCoreOutputType.UTILITY, _grammar_verdict(call_id, f)))
+        )
 
     def _output_loop(self, addr: str) -> None:
         encoder = msgspec.msgpack.Encoder()
@@ -185,8 +194,11 @@ class EngineCoreProc:
         return self.core.scheduler.kv_cache_manager.reset_prefix_cache()
 
     def utility_capacity(self) -> dict:
-        return {"num_blocks": self.core.num_blocks, "summary": self.core.capacity_summary(),
-                "startup_seconds": self.core.startup_seconds}
+        return {
+            "num_blocks": self.core.num_blocks,
+            "summary": self.core.capacity_summary(),
+            "startup_seconds": self.core.startup_seconds,
+        }
 
 
 def _grammar_verdict(call_id: int, future: cf.Future) -> UtilityResult:
@@ -201,8 +213,7 @@ def _grammar_verdict(call_id: int, future: cf.Future) -> UtilityResult:
     return UtilityResult(call_id, error=f"{type(exc).__name__}: {exc}")
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready_conn: Any,
-                    parent_pid: int) -> None:
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready_conn: Any, parent_pid: int) -> None:
     """Process entry point. Reports ready (or the start-up error) through ``ready_conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     _die_with_parent(parent_pid)
@@ -215,7 +226,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
         proc = EngineCoreProc(core, input_addr, output_addr)
     except Exception as exc:
         ready_conn.send({"error": f"{type(exc).__name__}: {exc}"})
-        raise SystemExit(1)
+        raise SystemExit(1) from exc
     ready_conn.send({"ok": True, **proc.utility_capacity()})
     ready_conn.close()
     try:

@@ -26,14 +26,21 @@ class LLMEngine:
         self._ids = itertools.count()
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config())
 
     def next_request_id(self) -> str:
         return str(next(self._ids))
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                    arrival_time: float | None = None, priority: int = 0, cache_salt: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+    ) -> None:
         """Validate, tokenize and queue one request (n > 1 fans out into n child requests)."""
         request, text = self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt)
         for core_request in self.output_processor.fan_out(request, text):

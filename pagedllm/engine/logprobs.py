@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from pagedllm.engine.protocol import LogprobsLists
 from pagedllm.outputs import Logprob, PromptLogprobs, SampleLogprobs
@@ -29,13 +29,9 @@ class LogprobsProcessor:
         self.logprobs: SampleLogprobs | None = [] if wants_sample else None
         self.cumulative_logprob: float | None = 0.0 if wants_sample else None
         # Nothing predicts the first prompt token, hence the leading None.
-        self.prompt_logprobs: PromptLogprobs | None = (
-            [None] if params.prompt_logprobs is not None else None
-        )
+        self.prompt_logprobs: PromptLogprobs | None = [None] if params.prompt_logprobs is not None else None
 
-    def update_from_output(
-        self, new_logprobs: LogprobsLists | None, new_prompt_logprobs: LogprobsLists | None
-    ) -> None:
+    def update_from_output(self, new_logprobs: LogprobsLists | None, new_prompt_logprobs: LogprobsLists | None) -> None:
         """Take one engine step's rows for this request."""
         if new_logprobs is not None and self.logprobs is not None:
             self._add_sample_rows(new_logprobs)
@@ -47,17 +43,13 @@ class LogprobsProcessor:
         assert self.logprobs is not None and self.num_logprobs is not None
         self.logprobs.extend(self._rows(lists, self.num_logprobs))
         # The sum of the chosen tokens' logprobs: the sequence's log-likelihood.
-        self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
-            row[0] for row in lists.logprobs
-        )
+        self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(row[0] for row in lists.logprobs)
 
     def _rows(self, lists: LogprobsLists, num_top: int) -> list[dict[int, Logprob]]:
         rows = zip(lists.logprob_token_ids, lists.logprobs, lists.sampled_token_ranks)
         return [self._position(ids, lps, rank, num_top) for ids, lps, rank in rows]
 
-    def _position(
-        self, token_ids: list[int], logprobs: list[float], rank: int, num_top: int
-    ) -> dict[int, Logprob]:
+    def _position(self, token_ids: list[int], logprobs: list[float], rank: int, num_top: int) -> dict[int, Logprob]:
         """One position: the chosen token first, then the top-k ranked 1..k."""
         chosen = token_ids[0]
         entry = {chosen: Logprob(logprobs[0], rank, self._decode(chosen))}

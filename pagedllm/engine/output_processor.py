@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
 from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from pagedllm.engine.logprobs import LogprobsProcessor
@@ -35,8 +36,14 @@ class RequestState:
     """Front-end state of one engine-core request (a plain request or one child)."""
 
     def __init__(
-        self, request: EngineCoreRequest, prompt: str | None, tokenizer: Any,
-        token_texts: TokenTextCache | None, parent: ParentRequest | None, index: int, queue: Any,
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        tokenizer: Any,
+        token_texts: TokenTextCache | None,
+        parent: ParentRequest | None,
+        index: int,
+        queue: Any,
     ) -> None:
         params = request.sampling_params
         self.request_id = request.request_id
@@ -44,8 +51,7 @@ class RequestState:
         self.prompt_token_ids = request.prompt_token_ids
         self.parent, self.index, self.queue = parent, index, queue
         self.output_kind = params.output_kind
-        self.detokenizer = IncrementalDetokenizer(
-            tokenizer, request.prompt_token_ids, params, token_texts)
+        self.detokenizer = IncrementalDetokenizer(tokenizer, request.prompt_token_ids, params, token_texts)
         self.logprobs = LogprobsProcessor(params, self.detokenizer.decode_token)
         self.output_token_ids: list[int] = []
         self.metrics = RequestMetrics(request.arrival_time or time.monotonic())
@@ -86,9 +92,13 @@ class RequestState:
         text = self.detokenizer.get_next_output_text(finished, delta)
         logprobs = self.logprobs.logprobs
         return CompletionOutput(
-            self.index, text, self.output_token_ids[start:], self.logprobs.cumulative_logprob,
+            self.index,
+            text,
+            self.output_token_ids[start:],
+            self.logprobs.cumulative_logprob,
             None if logprobs is None else logprobs[start:],
-            str(finish_reason) if finished else None, stop_reason if finished else None,
+            str(finish_reason) if finished else None,
+            stop_reason if finished else None,
         )
 
     def take_prompt_logprobs(self) -> PromptLogprobs | None:
@@ -99,8 +109,13 @@ class RequestState:
 
     def make_output(self, completion: CompletionOutput) -> RequestOutput:
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, self.take_prompt_logprobs(),
-            [completion], completion.finished(), dataclasses.replace(self.metrics),
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            self.take_prompt_logprobs(),
+            [completion],
+            completion.finished(),
+            dataclasses.replace(self.metrics),
             self.num_cached_tokens,
         )
 
@@ -116,14 +131,19 @@ class OutputProcessor:
         self.parents: dict[str, ParentRequest] = {}
 
     def add_request(
-        self, request: EngineCoreRequest, prompt: str | None,
-        parent: ParentRequest | None = None, index: int = 0, queue: Any = None,
+        self,
+        request: EngineCoreRequest,
+        prompt: str | None,
+        parent: ParentRequest | None = None,
+        index: int = 0,
+        queue: Any = None,
     ) -> None:
         """Track a request (or child ``index`` of ``parent``); ``queue`` gets its outputs."""
         if request.request_id in self.request_states:
             raise ValueError(f"request id {request.request_id!r} is already running")
         self.request_states[request.request_id] = RequestState(
-            request, prompt, self.tokenizer, self._token_texts, parent, index, queue)
+            request, prompt, self.tokenizer, self._token_texts, parent, index, queue
+        )
         if parent is not None:
             parent.running.add(request.request_id)
             parent.queue = queue if queue is not None else parent.queue
@@ -136,8 +156,14 @@ class OutputProcessor:
         if n == 1:
             self.add_request(request, prompt, queue=queue)
             return [request]
-        parent = ParentRequest(request.request_id, n, request.sampling_params.output_kind, prompt,
-                               request.prompt_token_ids, request.arrival_time)
+        parent = ParentRequest(
+            request.request_id,
+            n,
+            request.sampling_params.output_kind,
+            prompt,
+            request.prompt_token_ids,
+            request.arrival_time,
+        )
         children = [ParentRequest.child_request(request, index) for index in range(n)]
         for index, child in enumerate(children):
             self.add_request(child, prompt, parent, index, queue=queue)
@@ -187,8 +213,12 @@ class OutputProcessor:
         return result
 
     def _process_one(
-        self, state: RequestState, out: EngineCoreOutput, now: float,
-        result: OutputProcessorOutput, touched: dict[str, ParentRequest],
+        self,
+        state: RequestState,
+        out: EngineCoreOutput,
+        now: float,
+        result: OutputProcessorOutput,
+        touched: dict[str, ParentRequest],
     ) -> None:
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         stop_string = state.update(out)
@@ -212,8 +242,11 @@ class OutputProcessor:
             self._to_parent(state, completion, result, touched)
 
     def _to_parent(
-        self, state: RequestState, completion: CompletionOutput,
-        result: OutputProcessorOutput, touched: dict[str, ParentRequest],
+        self,
+        state: RequestState,
+        completion: CompletionOutput,
+        result: OutputProcessorOutput,
+        touched: dict[str, ParentRequest],
     ) -> None:
         parent = state.parent
         assert parent is not None

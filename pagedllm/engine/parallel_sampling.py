@@ -76,10 +76,14 @@ class ParentRequest:
         outputs = [self.latest[index] for index in sorted(self.latest)]
         return self.make_output(outputs, self.prompt_logprobs)
 
-    def make_output(
-        self, outputs: list[CompletionOutput], prompt_logprobs: PromptLogprobs | None
-    ) -> RequestOutput:
+    def make_output(self, outputs: list[CompletionOutput], prompt_logprobs: PromptLogprobs | None) -> RequestOutput:
         return RequestOutput(
-            self.request_id, self.prompt, self.prompt_token_ids, prompt_logprobs, outputs,
-            self.finished, dataclasses.replace(self.metrics), self.num_cached_tokens,
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            prompt_logprobs,
+            outputs,
+            self.finished,
+            dataclasses.replace(self.metrics),
+            self.num_cached_tokens,
         )

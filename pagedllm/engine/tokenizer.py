@@ -13,8 +13,10 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=True)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"could not load a tokenizer from {path!r} ({exc}); pass a directory that holds "
-                         "tokenizer.json / tokenizer_config.json, or set tokenizer=...") from exc
+        raise ValueError(
+            f"could not load a tokenizer from {path!r} ({exc}); pass a directory that holds "
+            "tokenizer.json / tokenizer_config.json, or set tokenizer=..."
+        ) from exc
 
 
 def generation_eos_token_ids(model_dir: str) -> set[int]:

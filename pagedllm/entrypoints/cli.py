@@ -43,21 +43,31 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve(sub) -> None:
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                           description="Serve a model over an OpenAI-compatible HTTP API.",
-                           epilog=SERVE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API.",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_server_args(serve)
     add_engine_args(serve)
     serve.set_defaults(func=_serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: paged-KV LLM inference and serving",
-                                     epilog="run 'pagedllm <command> --help' for the flags of each command")
+    parser = argparse.ArgumentParser(
+        prog="pagedllm",
+        description="pagedllm: paged-KV LLM inference and serving",
+        epilog="run 'pagedllm <command> --help' for the flags of each command",
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
     _add_serve(sub)
-    gen = sub.add_parser("generate", help="generate text offline for a few prompts",
-                         description="Generate text for the given prompts with the offline engine.")
+    gen = sub.add_parser(
+        "generate",
+        help="generate text offline for a few prompts",
+        description="Generate text for the given prompts with the offline engine.",
+    )
     gen.add_argument("--prompt", action="append", help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate per prompt (default 32)")
     gen.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default 0)")

@@ -16,9 +16,17 @@ from typing import Any
 from pagedllm.config import ENGINE_TOPICS, EngineArgs, FrontendArgs
 from pagedllm.config.options import OptionInfo, flag_name, option_info
 
-_TITLES = {"ModelArgs": "model", "LoadArgs": "load", "CacheArgs": "KV cache", "SchedulerArgs": "scheduler",
-           "ParallelArgs": "parallelism", "DeviceArgs": "device", "StructuredOutputsArgs": "structured outputs",
-           "SpeculativeArgs": "speculative decoding", "FrontendArgs": "server"}
+_TITLES = {
+    "ModelArgs": "model",
+    "LoadArgs": "load",
+    "CacheArgs": "KV cache",
+    "SchedulerArgs": "scheduler",
+    "ParallelArgs": "parallelism",
+    "DeviceArgs": "device",
+    "StructuredOutputsArgs": "structured outputs",
+    "SpeculativeArgs": "speculative decoding",
+    "FrontendArgs": "server",
+}
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence, cast
+from collections.abc import Sequence
+from typing import Any, cast
 
 from pagedllm.config import EngineArgs
 from pagedllm.demo.demo_model import with_demo_model
@@ -31,9 +32,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: PromptType | Sequence[PromptType],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
         """One output per prompt, in prompt order."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
@@ -48,21 +53,37 @@ class LLM:
             raise
         return self._run_engine(ids, use_tqdm)
 
-    def chat(self, messages: Conversation | Sequence[Conversation],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True, tools: list[dict[str, Any]] | None = None,
-             continue_final_message: bool = False, **template_kwargs: Any) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
+    ) -> list[RequestOutput]:
         """Render one conversation or a batch with the chat template (the tokenizer's, or
         ``chat_template``), as the server's chat route does (``chat_utils.render_chat``), then
         generate. ``tools`` and ``template_kwargs`` go to the template."""
         one = bool(messages) and isinstance(messages[0], dict)
         batch = [cast(Conversation, messages)] if one else list(cast(Sequence[Conversation], messages))
         tokenizer = self.get_tokenizer()
-        prompts = [{"prompt_token_ids": render_chat_ids(
-            tokenizer, conversation, chat_template=chat_template, tools=tools, chat_template_kwargs=template_kwargs,
-            add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message)}
-            for conversation in batch]
+        prompts = [
+            {
+                "prompt_token_ids": render_chat_ids(
+                    tokenizer,
+                    conversation,
+                    chat_template=chat_template,
+                    tools=tools,
+                    chat_template_kwargs=template_kwargs,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+            }
+            for conversation in batch
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -85,8 +106,9 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # one prompt given as token ids
     if not isinstance(prompts, (list, tuple)):
-        raise ValueError(f"prompts must be a string, a list of token ids, a dict or a list of these; "
-                         f"got {type(prompts).__name__}")
+        raise ValueError(
+            f"prompts must be a string, a list of token ids, a dict or a list of these; got {type(prompts).__name__}"
+        )
     return list(prompts)
 
 

@@ -39,8 +39,7 @@ class BlockPool:
     def get_new_blocks(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop ``num_blocks`` blocks from the head of the free queue, evicting cached ones."""
         if num_blocks > self.free_block_queue.num_free_blocks:
-            raise ValueError(f"Cannot get {num_blocks} blocks: only "
-                             f"{self.free_block_queue.num_free_blocks} are free")
+            raise ValueError(f"Cannot get {num_blocks} blocks: only {self.free_block_queue.num_free_blocks} are free")
         blocks = self.free_block_queue.popleft_n(num_blocks)
         for block in blocks:
             assert block.ref_cnt == 0, block
@@ -63,8 +62,9 @@ class BlockPool:
                 self.free_block_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_blocks(self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+    def cache_full_blocks(
+        self, blocks: list[KVCacheBlock], block_hashes: list[BlockHash], num_cached_blocks: int, num_full_blocks: int
+    ) -> None:
         """Index ``blocks[num_cached_blocks:num_full_blocks]`` under ``block_hashes[i]``.
 
         If another block already holds a hash, that entry stays and the new block is left
@@ -125,12 +125,14 @@ class BlockPool:
         errors = []
         free = self.free_block_queue.get_all_free_blocks()
         if len(free) != self.free_block_queue.num_free_blocks:
-            errors.append(f"free queue holds {len(free)} blocks but counts "
-                          f"{self.free_block_queue.num_free_blocks}")
+            errors.append(f"free queue holds {len(free)} blocks but counts {self.free_block_queue.num_free_blocks}")
         if len({id(b) for b in free}) != len(free):
             errors.append("free queue contains a block twice")
-        errors += [f"block {b.block_id} is in the free queue with ref_cnt={b.ref_cnt}"
-                   for b in free if b.ref_cnt != 0 or b.is_null]
+        errors += [
+            f"block {b.block_id} is in the free queue with ref_cnt={b.ref_cnt}"
+            for b in free
+            if b.ref_cnt != 0 or b.is_null
+        ]
         return errors
 
     def _ref_cnt_errors(self) -> list[str]:
@@ -141,8 +143,7 @@ class BlockPool:
             if block.ref_cnt < 0:
                 errors.append(f"block {block.block_id} has ref_cnt={block.ref_cnt}")
             elif (block.ref_cnt == 0) != in_queue:
-                errors.append(f"block {block.block_id} has ref_cnt={block.ref_cnt} "
-                              f"but in_free_queue={in_queue}")
+                errors.append(f"block {block.block_id} has ref_cnt={block.ref_cnt} but in_free_queue={in_queue}")
             in_use += block.ref_cnt > 0
         free = self.free_block_queue.num_free_blocks
         if free + in_use != self.num_blocks - 1:
@@ -150,12 +151,17 @@ class BlockPool:
         return errors
 
     def _hash_index_errors(self) -> list[str]:
-        errors = [f"cache entry {h.hex()[:12]} points to block {b.block_id} holding "
-                  f"{b.block_hash.hex()[:12] if b.block_hash else None}"
-                  for h, b in self.cached_block_hash_to_block.items() if b.block_hash != h]
-        errors += [f"block {b.block_id} has a hash but is not indexed by it"
-                   for b in self.blocks if b.block_hash is not None
-                   and self.cached_block_hash_to_block.get(b.block_hash) is not b]
+        errors = [
+            f"cache entry {h.hex()[:12]} points to block {b.block_id} holding "
+            f"{b.block_hash.hex()[:12] if b.block_hash else None}"
+            for h, b in self.cached_block_hash_to_block.items()
+            if b.block_hash != h
+        ]
+        errors += [
+            f"block {b.block_id} has a hash but is not indexed by it"
+            for b in self.blocks
+            if b.block_hash is not None and self.cached_block_hash_to_block.get(b.block_hash) is not b
+        ]
         if self.null_block.block_hash is not None or self.null_block.prev_free_block is not None:
             errors.append("the null block is cached or in the free queue")
         return errors

@@ -22,8 +22,9 @@ _NO_PARENT = b"\x00"
 _HAS_PARENT = b"\x01"
 
 
-def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int],
-                      extra_keys: tuple | None = None) -> BlockHash:
+def hash_block_tokens(
+    parent_hash: BlockHash | None, token_ids: Sequence[int], extra_keys: tuple | None = None
+) -> BlockHash:
     """Hash one block of ``token_ids`` chained to ``parent_hash`` (None for the first block).
 
     ``extra_keys`` (e.g. a cache salt) must have a deterministic ``repr``.
@@ -52,5 +53,5 @@ def update_request_block_hashes(request: Request, block_size: int) -> None:
     parent = hashes[-1] if hashes else None
     for i in range(len(hashes), len(tokens) // block_size):
         extra = _first_block_extra_keys(request) if i == 0 else None
-        parent = hash_block_tokens(parent, tokens[i * block_size:(i + 1) * block_size], extra)
+        parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
         hashes.append(parent)

@@ -82,9 +82,13 @@ class KVCacheManager:
         self.prefix_cache_queries = self.prefix_cache_hits = 0
         return stats
 
-    def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVCacheBlock] | None = None,
-                       num_lookahead_tokens: int = 0) -> list[int] | None:
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[KVCacheBlock] | None = None,
+        num_lookahead_tokens: int = 0,
+    ) -> list[int] | None:
         """Give ``request`` the blocks for its next ``num_new_tokens`` (+ lookahead) tokens.
 
         ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (admission
@@ -96,8 +100,7 @@ class KVCacheManager:
         table = self.req_to_blocks.get(request.request_id, [])
         assert not (new_computed and table), "prefix hits are only passed on admission"
         num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
-        num_required = _cdiv(num_computed + num_new_tokens + num_lookahead_tokens,
-                             self.block_size)
+        num_required = _cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_to_allocate = max(0, num_required - len(table) - len(new_computed))
         if not self._can_allocate(num_to_allocate, new_computed):
             return None
@@ -111,8 +114,9 @@ class KVCacheManager:
         num_free_hits = sum(1 for block in new_computed if block.ref_cnt == 0)
         return num_to_allocate <= self.block_pool.get_num_free_blocks() - num_free_hits
 
-    def _append_blocks(self, request_id: str, new_computed: list[KVCacheBlock],
-                       num_to_allocate: int) -> list[KVCacheBlock]:
+    def _append_blocks(
+        self, request_id: str, new_computed: list[KVCacheBlock], num_to_allocate: int
+    ) -> list[KVCacheBlock]:
         table = self.req_to_blocks.setdefault(request_id, [])
         # Prefix hits are already in the cache; caching resumes after them.
         self.num_cached_block.setdefault(request_id, len(new_computed))
@@ -156,10 +160,13 @@ class KVCacheManager:
     def check_integrity(self) -> None:
         """Pool invariants, plus: each block's ref_cnt equals the block tables referencing it."""
         self.block_pool.check_integrity()
-        refs = Counter(block.block_id for blocks in self.req_to_blocks.values()
-                       for block in blocks if not block.is_null)
-        errors = [f"block {b.block_id} has ref_cnt={b.ref_cnt} but {refs[b.block_id]} "
-                  f"block-table references" for b in self.block_pool.blocks[1:]
-                  if b.ref_cnt != refs[b.block_id]]
+        refs = Counter(
+            block.block_id for blocks in self.req_to_blocks.values() for block in blocks if not block.is_null
+        )
+        errors = [
+            f"block {b.block_id} has ref_cnt={b.ref_cnt} but {refs[b.block_id]} block-table references"
+            for b in self.block_pool.blocks[1:]
+            if b.ref_cnt != refs[b.block_id]
+        ]
         if errors:
             raise RuntimeError("KV cache manager integrity check failed:\n  " + "\n  ".join(errors))

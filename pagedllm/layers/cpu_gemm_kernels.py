@@ -12,8 +12,8 @@ linears keep the oneDNN / torch path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 import torch
 
@@ -38,8 +38,13 @@ def load_cpu_gemm() -> PackedLinear | None:
 def packable(w: torch.Tensor) -> bool:
     """Whether ``w`` [out, in] fits the packed panel layouts (fp32 and int8): a plain CPU float32
     matrix with out % 16 == 0, so the packed shape keeps ``out``."""
-    return (w.device.type == "cpu" and w.dtype == torch.float32 and w.dim() == 2
-            and w.layout == torch.strided and w.shape[0] % PANEL == 0)
+    return (
+        w.device.type == "cpu"
+        and w.dtype == torch.float32
+        and w.dim() == 2
+        and w.layout == torch.strided
+        and w.shape[0] % PANEL == 0
+    )
 
 
 def can_pack(w: torch.Tensor) -> bool:

@@ -23,8 +23,10 @@ from pagedllm import envs
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_ops.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_gemm.cpp",
-                                      "cpu_gemm_int8.cpp")]
+_SOURCES = [
+    _CSRC / name
+    for name in ("cpu_ops.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_gemm.cpp", "cpu_gemm_int8.cpp")
+]
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with
 # OpenMP; the library then shares torch's already-loaded libgomp (same soname), one thread pool.
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
@@ -43,8 +45,14 @@ def build_cpu_library() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        load(name=f"pagedllm_cpu_{_cpu_tag()}", sources=[str(p) for p in _SOURCES], extra_cflags=_FLAGS,
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        load(
+            name=f"pagedllm_cpu_{_cpu_tag()}",
+            sources=[str(p) for p in _SOURCES],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
         return True
     except Exception as exc:  # no compiler or ninja: the torch path still works
         logger.warning("CPU kernels unavailable, using the torch/oneDNN paths (%s)", exc)

@@ -53,11 +53,13 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy this rank's rows of the full [vocab, hidden] checkpoint table; zero the padding."""
         if loaded_weight.dim() != 2 or loaded_weight.shape[0] != self.num_embeddings:
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected "
-                             f"({self.num_embeddings}, {param.shape[1]})")
+            raise ValueError(
+                f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected "
+                f"({self.num_embeddings}, {param.shape[1]})"
+            )
         shard = self.shard
-        param.data[shard.num_real:].zero_()
-        copy_checked(param.data[:shard.num_real], loaded_weight[shard.start:shard.end])
+        param.data[shard.num_real :].zero_()
+        copy_checked(param.data[: shard.num_real], loaded_weight[shard.start : shard.end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -73,14 +75,14 @@ class ParallelLMHead(VocabParallelEmbedding):
     """hidden -> logits over the full vocabulary: each rank computes its shard's logits with its
     ``quant_method`` (the format's LM-head method; float so far) and the shards are gathered."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int,
-                 quant_config: QuantizationConfig | None = None) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int, quant_config: QuantizationConfig | None = None) -> None:
         self.quant_method = (quant_config or current_quant_config()).get_lm_head_method()
         super().__init__(num_embeddings, embedding_dim)
 
     def create_weight(self) -> None:
-        self.quant_method.create_weights(self, self.embedding_dim, [self.shard.shard_size],
-                                         torch.get_default_dtype(), self.weight_loader)
+        self.quant_method.create_weights(
+            self, self.embedding_dim, [self.shard.shard_size], torch.get_default_dtype(), self.weight_loader
+        )
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         """Share the embedding's table (same shape and vocabulary split). On CPU the method's
@@ -89,4 +91,4 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         logits = self.tp.all_gather(self.quant_method.apply(self, hidden_states), dim=-1)
-        return logits[..., :self.num_embeddings]  # drop the padding rows of the last shard
+        return logits[..., : self.num_embeddings]  # drop the padding rows of the last shard

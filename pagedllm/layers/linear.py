@@ -24,14 +24,16 @@ class LinearBase(nn.Module):
     """y = x W^T + b on this rank's slice; subclasses define the slice (:meth:`partition`) and
     its ``weight_loader``. ``quant_config`` defaults to the one the model is being built with."""
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
-                 quant_config: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self, input_size: int, output_sizes: list[int], bias: bool, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__()
         self.tp = get_tp_group()
         self.input_size, self.output_sizes = self.partition(input_size, output_sizes)
         self.quant_method = (quant_config or current_quant_config()).get_linear_method()
-        self.quant_method.create_weights(self, self.input_size, self.output_sizes, torch.get_default_dtype(),
-                                         self.weight_loader)
+        self.quant_method.create_weights(
+            self, self.input_size, self.output_sizes, torch.get_default_dtype(), self.weight_loader
+        )
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.output_sizes)), requires_grad=False)
             set_weight_attrs(self.bias, output_dim=0, input_dim=None, weight_loader=self.weight_loader)
@@ -52,8 +54,9 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; the result stays split (it feeds a row-parallel layer)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__(input_size, [output_size], bias, quant_config)
 
     def partition(self, input_size: int, output_sizes: list[int]) -> tuple[int, list[int]]:
@@ -79,8 +82,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     splits back into per-projection chunks locally. ``shard_id`` is the projection's index.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False,
-                 quant_config: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         LinearBase.__init__(self, input_size, output_sizes, bias, quant_config)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -99,11 +107,23 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     _SHARD_IDS = ("q", "k", "v")
 
-    def __init__(self, hidden_size: int, head_dim: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = False, quant_config: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        total_num_heads: int,
+        total_num_kv_heads: int,
+        bias: bool = False,
+        quant_config: QuantizationConfig | None = None,
+    ) -> None:
         self.head_dim, self.total_num_heads, self.total_num_kv_heads = head_dim, total_num_heads, total_num_kv_heads
-        LinearBase.__init__(self, hidden_size, [total_num_heads * head_dim, total_num_kv_heads * head_dim,
-                                                total_num_kv_heads * head_dim], bias, quant_config)
+        LinearBase.__init__(
+            self,
+            hidden_size,
+            [total_num_heads * head_dim, total_num_kv_heads * head_dim, total_num_kv_heads * head_dim],
+            bias,
+            quant_config,
+        )
 
     def partition(self, input_size: int, output_sizes: list[int]) -> tuple[int, list[int]]:
         tp_size = self.tp.size
@@ -111,8 +131,10 @@ class QKVParallelLinear(ColumnParallelLinear):
         if self.total_num_kv_heads >= tp_size:
             self.num_kv_heads = divide(self.total_num_kv_heads, tp_size, "num_key_value_heads")
         elif tp_size % self.total_num_kv_heads:
-            raise ValueError(f"the tensor-parallel size ({tp_size}) exceeds num_key_value_heads "
-                             f"({self.total_num_kv_heads}) but is not a multiple of it")
+            raise ValueError(
+                f"the tensor-parallel size ({tp_size}) exceeds num_key_value_heads "
+                f"({self.total_num_kv_heads}) but is not a multiple of it"
+            )
         else:
             self.num_kv_heads = 1
         self.kv_replicas = max(1, tp_size // self.total_num_kv_heads)
@@ -132,8 +154,9 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(LinearBase):
     """Input features split across ranks; partial products are summed with an all-reduce."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False,
-                 quant_config: QuantizationConfig | None = None) -> None:
+    def __init__(
+        self, input_size: int, output_size: int, bias: bool = False, quant_config: QuantizationConfig | None = None
+    ) -> None:
         super().__init__(input_size, [output_size], bias, quant_config)
 
     def partition(self, input_size: int, output_sizes: list[int]) -> tuple[int, list[int]]:

@@ -92,8 +92,15 @@ class RotaryEmbedding(CustomOp):
     whose dispatch costs more than their arithmetic at decode. Bitwise equal either way.
     """
 
-    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor,
-                 attention_scaling: float, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_position: int,
+        inv_freq: torch.Tensor,
+        attention_scaling: float,
+        dtype: torch.dtype,
+    ) -> None:
         super().__init__()
         self.head_dim, self.rotary_dim = head_dim, rotary_dim
         positions = torch.arange(max_position, dtype=torch.float32)
@@ -105,19 +112,21 @@ class RotaryEmbedding(CustomOp):
     def dispatch_key(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
         return q  # positions are int64: q's dtype decides
 
-    def forward_native(self, positions: torch.Tensor, q: torch.Tensor,
-                       k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim // 2]
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
 
-    def forward_cpu(self, positions: torch.Tensor, q: torch.Tensor,
-                    k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_cpu(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         self.cpu_ops.rotary_embedding_(positions, q, k, self.cos_sin_cache, self.head_dim)
         return q, k
 
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         heads = x.view(x.shape[0], -1, self.head_dim)
-        rot, passthrough = heads[..., :self.rotary_dim], heads[..., self.rotary_dim:]
+        rot, passthrough = heads[..., : self.rotary_dim], heads[..., self.rotary_dim :]
         x1, x2 = rot.chunk(2, dim=-1)
         # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin): HF's x * cos + rotate_half(x) * sin.
         rotated = torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin, passthrough], dim=-1)
@@ -128,7 +137,9 @@ def get_rope(head_dim: int, max_position: int, rope: RopeConfig, dtype: torch.dt
     """Build the rotary embedding for a model (one instance is shared by all its layers)."""
     rotary_dim = int(head_dim * rope.partial_rotary_factor)
     if rotary_dim % 2 or not 0 < rotary_dim <= head_dim:
-        raise ValueError(f"partial_rotary_factor={rope.partial_rotary_factor} gives rotary dim {rotary_dim} "
-                         f"for head_dim {head_dim}; it must be even and in (0, head_dim]")
+        raise ValueError(
+            f"partial_rotary_factor={rope.partial_rotary_factor} gives rotary dim {rotary_dim} "
+            f"for head_dim {head_dim}; it must be even and in (0, head_dim]"
+        )
     inv_freq, attention_scaling = compute_inv_freq(rope, rotary_dim, max_position)
     return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, attention_scaling, dtype)

@@ -17,24 +17,28 @@ ShardId = int | str | None
 def divide(numerator: int, denominator: int, what: str) -> int:
     """``numerator / denominator``; ValueError naming ``what`` when it does not divide."""
     if numerator % denominator:
-        raise ValueError(f"{what} ({numerator}) must be divisible by the tensor-parallel size "
-                         f"({denominator}); choose a tensor_parallel_size that divides it")
+        raise ValueError(
+            f"{what} ({numerator}) must be divisible by the tensor-parallel size "
+            f"({denominator}); choose a tensor_parallel_size that divides it"
+        )
     return numerator // denominator
 
 
 def narrow_checked(loaded: torch.Tensor, dim: int, start: int, length: int) -> torch.Tensor:
     """``loaded.narrow`` with a readable error when the checkpoint tensor is too small."""
     if loaded.dim() <= dim or loaded.shape[dim] < start + length:
-        raise ValueError(f"checkpoint tensor of shape {tuple(loaded.shape)} has no slice "
-                         f"[{start}:{start + length}] along dim {dim}")
+        raise ValueError(
+            f"checkpoint tensor of shape {tuple(loaded.shape)} has no slice [{start}:{start + length}] along dim {dim}"
+        )
     return loaded.narrow(dim, start, length)
 
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     """Copy (casting dtype/device) but never broadcast: a shape mismatch is a wrong checkpoint."""
     if param.shape != loaded.shape:
-        raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, "
-                         f"the parameter expects {tuple(param.shape)}")
+        raise ValueError(
+            f"checkpoint tensor has shape {tuple(loaded.shape)}, the parameter expects {tuple(param.shape)}"
+        )
     param.data.copy_(loaded)
 
 

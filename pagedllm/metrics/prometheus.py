@@ -17,12 +17,74 @@ METRIC_PREFIX = "vllm:"
 FINISH_REASONS = ("stop", "length", "abort")
 
 # Bucket edges as vLLM's (seconds).
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-               20.0, 40.0, 80.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class PrometheusStatLogger:
@@ -57,25 +119,33 @@ class PrometheusStatLogger:
         self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).")
         self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verification steps per request.")
         self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens.")
-        self.spec_accepted_tokens = counter("spec_decode_num_accepted_tokens",
-                                            "Speculative decoding: proposed tokens accepted.")
-        self._spec_per_pos = Counter(self._name("spec_decode_num_accepted_tokens_per_pos"),
-                                     "Speculative decoding: accepted tokens by position in the proposal.",
-                                     ["model_name", "position"], registry=self.registry)
-        success = Counter(self._name("request_success"), "Finished requests, by finish reason.",
-                          ["model_name", "finished_reason"], registry=self.registry)
+        self.spec_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
+        )
+        self._spec_per_pos = Counter(
+            self._name("spec_decode_num_accepted_tokens_per_pos"),
+            "Speculative decoding: accepted tokens by position in the proposal.",
+            ["model_name", "position"],
+            registry=self.registry,
+        )
+        success = Counter(
+            self._name("request_success"),
+            "Finished requests, by finish reason.",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
         # Pre-create every reason so each series is exposed (at 0) before the first request.
         self.request_success = {r: success.labels(self.model_name, r) for r in FINISH_REASONS}
         self._success_family = success
 
     def _make_histograms(self) -> None:
         def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(self._name(name), doc, ["model_name"], buckets=buckets,
-                             registry=self.registry).labels(self.model_name)
+            return Histogram(self._name(name), doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
+                self.model_name
+            )
 
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.",
-                             ITL_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last output token.", E2E_BUCKETS)
 
     # ------------------------------------------------------------------ StatLogger

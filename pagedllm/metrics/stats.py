@@ -80,8 +80,9 @@ class IterationStatsTracker:
         """Record a finished (or aborted, or stop-string-ended) request and forget it."""
         timing = self._timings.pop(request_id, None)
         if timing is not None:
-            stats.finished_requests.append(FinishedRequestStats(
-                reason, now - timing.arrival, timing.num_prompt_tokens, timing.num_generated))
+            stats.finished_requests.append(
+                FinishedRequestStats(reason, now - timing.arrival, timing.num_prompt_tokens, timing.num_generated)
+            )
 
 
 class LoggingStatLogger:
@@ -110,12 +111,20 @@ class LoggingStatLogger:
 
     def _log(self, elapsed: float) -> None:
         s = self._latest or SchedulerStats()
-        logger.info("prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%",
-                    self._prompt / elapsed, self._gen / elapsed, s.num_running_reqs, s.num_waiting_reqs,
-                    100 * s.kv_cache_usage)
+        logger.info(
+            "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%",
+            self._prompt / elapsed,
+            self._gen / elapsed,
+            s.num_running_reqs,
+            s.num_waiting_reqs,
+            100 * s.kv_cache_usage,
+        )
         d = self._drafts
         if d.num_drafts:
-            logger.info("speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f, %d drafts",
-                        100 * d.num_accepted_tokens / d.num_draft_tokens, 1 + d.num_accepted_tokens / d.num_drafts,
-                        d.num_drafts)
+            logger.info(
+                "speculative decoding: acceptance rate %.1f%%, mean accepted length %.2f, %d drafts",
+                100 * d.num_accepted_tokens / d.num_draft_tokens,
+                1 + d.num_accepted_tokens / d.num_drafts,
+                d.num_drafts,
+            )
             self._drafts = SpecDecodingStats()

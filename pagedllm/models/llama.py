@@ -47,20 +47,37 @@ class LlamaAttention(nn.Module):
     The biases default to ``config.attention_bias`` (Llama puts it on all four projections).
     """
 
-    def __init__(self, config: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 qkv_bias: bool | None = None, o_bias: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: ModelArchConfig,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        qkv_bias: bool | None = None,
+        o_bias: bool | None = None,
+    ) -> None:
         super().__init__()
         head_dim = self.head_dim = config.head_dim
         bias = config.attention_bias
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, head_dim, config.num_attention_heads,
-                                          config.num_key_value_heads, bias=bias if qkv_bias is None else qkv_bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=bias if qkv_bias is None else qkv_bias,
+        )
         self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=bias if o_bias is None else o_bias)
         self.rotary_emb = rotary_emb
         # This rank's share of the heads (all of them without tensor parallelism).
         heads, kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size, self.kv_size = heads * head_dim, kv_heads * head_dim
-        self.attn = Attention(heads, head_dim, kv_heads, scale=head_dim**-0.5,
-                              sliding_window=_sliding_window(config, layer_idx), layer_idx=layer_idx)
+        self.attn = Attention(
+            heads,
+            head_dim,
+            kv_heads,
+            scale=head_dim**-0.5,
+            sliding_window=_sliding_window(config, layer_idx),
+            layer_idx=layer_idx,
+        )
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -77,16 +94,18 @@ def _sliding_window(config: ModelArchConfig, layer_idx: int) -> int | None:
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding,
-                 attention_cls: type[LlamaAttention]) -> None:
+    def __init__(
+        self, config: ModelArchConfig, layer_idx: int, rotary_emb: RotaryEmbedding, attention_cls: type[LlamaAttention]
+    ) -> None:
         super().__init__()
         self.self_attn = attention_cls(config, layer_idx, rotary_emb)
         self.mlp = LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None,
-                attn_metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, residual: torch.Tensor | None, attn_metadata: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (this layer's MLP output, residual stream before it): the next norm adds them,
         which saves a separate elementwise pass per sub-layer."""
         if residual is None:
@@ -103,10 +122,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         # One cos/sin table shared by every layer (in the dtype the model is being built in).
-        self.rotary_emb = get_rope(config.head_dim, config.max_position_embeddings, config.rope,
-                                   torch.get_default_dtype())
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, self.rotary_emb, attention_cls)
-                                    for i in range(config.num_hidden_layers))
+        self.rotary_emb = get_rope(
+            config.head_dim, config.max_position_embeddings, config.rope, torch.get_default_dtype()
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary_emb, attention_cls) for i in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
@@ -127,8 +148,10 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
         if config.hidden_act != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported by {type(self).__name__}; "
-                             "only 'silu' (SwiGLU) is implemented")
+            raise ValueError(
+                f"hidden_act={config.hidden_act!r} is not supported by {type(self).__name__}; "
+                "only 'silu' (SwiGLU) is implemented"
+            )
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)

@@ -17,9 +17,16 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _MAX_LISTED = 10
 
 
-def load_model(model_dir: str | None, arch: ModelArchConfig, *, load_format: str = "auto",
-               dtype: torch.dtype, device: torch.device, seed: int = 0,
-               quantization: str | None = None) -> nn.Module:
+def load_model(
+    model_dir: str | None,
+    arch: ModelArchConfig,
+    *,
+    load_format: str = "auto",
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int = 0,
+    quantization: str | None = None,
+) -> nn.Module:
     """The model for ``arch`` in eval mode without gradients, its weights from ``model_dir``
     ("auto"/"safetensors") or random ("dummy", seeded by ``seed``; no files needed).
     ``quantization`` names the weight format (``layers/quantization``; None: float), e.g. "int8"."""
@@ -44,8 +51,12 @@ def process_weights_after_loading(model: nn.Module) -> None:
             method.process_weights_after_loading(module)
 
 
-def build_model(arch: ModelArchConfig, dtype: torch.dtype, device: torch.device | str,
-                quant_config: QuantizationConfig | None = None) -> nn.Module:
+def build_model(
+    arch: ModelArchConfig,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    quant_config: QuantizationConfig | None = None,
+) -> nn.Module:
     """Allocate the parameters directly on ``device`` in ``dtype`` (uninitialised), each linear
     layer's in the format of ``quant_config`` (None: float)."""
     if not dtype.is_floating_point:
@@ -91,15 +102,22 @@ def check_loaded(model: nn.Module, loaded: set[str], checkpoint_names: Iterable[
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     known = set(dict(model.named_parameters(remove_duplicate=False)))
     mapping = getattr(model, "packed_modules_mapping", {})
-    unexpected = sorted(n for n in checkpoint_names
-                        if (target := map_checkpoint_name(n, mapping)) is not None and target[0] not in known)
+    unexpected = sorted(
+        n
+        for n in checkpoint_names
+        if (target := map_checkpoint_name(n, mapping)) is not None and target[0] not in known
+    )
     if not missing and not unexpected:
         return
-    problems = [f"{label} ({len(names)}): {_listing(names)}"
-                for label, names in (("missing parameters", missing), ("unexpected checkpoint tensors", unexpected))
-                if names]
-    raise ValueError(f"the checkpoint in {where} does not match {type(model).__name__}: {'; '.join(problems)}. "
-                     "Check that config.json belongs to these weights.")
+    problems = [
+        f"{label} ({len(names)}): {_listing(names)}"
+        for label, names in (("missing parameters", missing), ("unexpected checkpoint tensors", unexpected))
+        if names
+    ]
+    raise ValueError(
+        f"the checkpoint in {where} does not match {type(model).__name__}: {'; '.join(problems)}. "
+        "Check that config.json belongs to these weights."
+    )
 
 
 def _listing(names: list[str]) -> str:

@@ -25,8 +25,9 @@ def supported_architectures() -> list[str]:
 def resolve_model_cls(architecture: str) -> type[nn.Module]:
     """The model class for ``architecture``; ValueError naming the supported ones if unknown."""
     if architecture not in _MODELS:
-        raise ValueError(f"architecture {architecture} is not supported; "
-                         f"supported: {', '.join(supported_architectures())}")
+        raise ValueError(
+            f"architecture {architecture} is not supported; supported: {', '.join(supported_architectures())}"
+        )
     module_name, class_name = _MODELS[architecture]
     module = importlib.import_module(f"pagedllm.models.{module_name}")
     return getattr(module, class_name)

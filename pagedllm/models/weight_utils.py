@@ -79,5 +79,5 @@ def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]
 
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
                 yield name, f.get_tensor(name)

@@ -47,9 +47,12 @@ class SamplingMetadata:
     def has_logit_processing(self) -> bool:
         """Whether any row's logits change before greedy argmax: an allowed-token mask, a bias,
         min-tokens not yet reached or a penalty."""
-        return (self.allowed_token_ids_mask is not None or any(b is not None for b in self.logit_bias)
-                or not self.no_penalties
-                or any(len(self.output_token_ids[row]) < minimum for row, (minimum, _) in self.min_tokens.items()))
+        return (
+            self.allowed_token_ids_mask is not None
+            or any(b is not None for b in self.logit_bias)
+            or not self.no_penalties
+            or any(len(self.output_token_ids[row]) < minimum for row, (minimum, _) in self.min_tokens.items())
+        )
 
     @classmethod
     def from_params(
@@ -61,7 +64,7 @@ class SamplingMetadata:
         device: torch.device | str = "cpu",
         generators: dict[int, torch.Generator] | None = None,
         eos_token_id: int | None = None,
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Build metadata from one ``SamplingParams`` per row.
 
         ``generators`` maps row -> the request's own generator; it is passed in rather than
@@ -94,7 +97,7 @@ class SamplingMetadata:
             allowed_token_ids_mask=_allowed_mask(params, vocab_size, device),
         )
 
-    def select(self, rows: list[int]) -> "SamplingMetadata":
+    def select(self, rows: list[int]) -> SamplingMetadata:
         """The metadata of ``rows`` (indices into this one, repeats allowed), in that order."""
         index = None
 

@@ -72,8 +72,9 @@ def rejection_sample(
     Returns:
         B lists of 1..k_i + 1 token ids. Inputs are not modified; one device-to-host copy (the only sync).
     """
-    _check_inputs(target_probs, target_argmax, draft_token_ids, draft_probs, num_draft_tokens, bonus_token_ids,
-                  is_greedy)
+    _check_inputs(
+        target_probs, target_argmax, draft_token_ids, draft_probs, num_draft_tokens, bonus_token_ids, is_greedy
+    )
     device = target_probs.device
     generators = generators or {}
     layout = _Layout.build(num_draft_tokens, device)
@@ -82,8 +83,17 @@ def rejection_sample(
     uniforms = _uniforms(layout, is_greedy, generators)
     accepted = _accepted(target_probs, target_argmax, draft_token_ids, draft_probs, uniforms, greedy_rows)
     num_accepted = _num_accepted(accepted, layout)
-    final = _final_tokens(target_probs, target_argmax, draft_token_ids, draft_probs, num_accepted, layout,
-                          bonus_token_ids, is_greedy, generators)
+    final = _final_tokens(
+        target_probs,
+        target_argmax,
+        draft_token_ids,
+        draft_probs,
+        num_accepted,
+        layout,
+        bonus_token_ids,
+        is_greedy,
+        generators,
+    )
     return _assemble(draft_token_ids, num_accepted, final, num_draft_tokens)
 
 
@@ -101,16 +111,21 @@ def _check_inputs(
         raise ValueError(f"target_probs must be [R, V], got shape {tuple(target_probs.shape)}")
     num_rows = target_probs.shape[0]
     if tuple(target_argmax.shape) != (num_rows,) or tuple(draft_token_ids.shape) != (num_rows,):
-        raise ValueError(f"target_argmax and draft_token_ids must be [{num_rows}], got "
-                         f"{tuple(target_argmax.shape)} and {tuple(draft_token_ids.shape)}")
+        raise ValueError(
+            f"target_argmax and draft_token_ids must be [{num_rows}], got "
+            f"{tuple(target_argmax.shape)} and {tuple(draft_token_ids.shape)}"
+        )
     if draft_probs is not None and draft_probs.shape != target_probs.shape:
-        raise ValueError(f"draft_probs must match target_probs {tuple(target_probs.shape)}, "
-                         f"got {tuple(draft_probs.shape)}")
+        raise ValueError(
+            f"draft_probs must match target_probs {tuple(target_probs.shape)}, got {tuple(draft_probs.shape)}"
+        )
     if any(k < 0 for k in num_draft_tokens) or sum(num_draft_tokens) != num_rows:
         raise ValueError(f"num_draft_tokens must be >= 0 and sum to {num_rows} rows, got {num_draft_tokens}")
     if not len(num_draft_tokens) == len(is_greedy) == bonus_token_ids.shape[0]:
-        raise ValueError(f"num_draft_tokens ({len(num_draft_tokens)}), is_greedy ({len(is_greedy)}) and "
-                         f"bonus_token_ids ({bonus_token_ids.shape[0]}) must have one entry per request")
+        raise ValueError(
+            f"num_draft_tokens ({len(num_draft_tokens)}), is_greedy ({len(is_greedy)}) and "
+            f"bonus_token_ids ({bonus_token_ids.shape[0]}) must have one entry per request"
+        )
 
 
 def _uniforms(layout: _Layout, is_greedy: list[bool], generators: dict[int, torch.Generator]) -> torch.Tensor:
@@ -122,7 +137,8 @@ def _uniforms(layout: _Layout, is_greedy: list[bool], generators: dict[int, torc
         # Greedy requests never look at u: leave their generators untouched.
         if counts[request] and not is_greedy[request]:
             uniforms[starts[request] : starts[request + 1]] = torch.rand(
-                counts[request], generator=generator, device=uniforms.device)
+                counts[request], generator=generator, device=uniforms.device
+            )
     return uniforms
 
 

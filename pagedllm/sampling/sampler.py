@@ -87,16 +87,21 @@ class Sampler:
     sampling of proposals. Stateless: seeded requests' generators travel in the metadata.
     """
 
-    def sample(self, logits: torch.Tensor, metadata: SamplingMetadata,
-               drafts: DraftBatch | None = None) -> SamplerOutput:
+    def sample(
+        self, logits: torch.Tensor, metadata: SamplingMetadata, drafts: DraftBatch | None = None
+    ) -> SamplerOutput:
         """Sample ``logits`` [N, V] (one metadata row per logits row), verifying ``drafts`` if given."""
         if drafts is not None:
             return self._verify(logits, metadata, drafts)
         sampled, _ = self.draw(logits, metadata)
         return SamplerOutput([[t] for t in sampled.tolist()], self._logprobs(logits, metadata, sampled), sampled)
 
-    def draw(self, logits: torch.Tensor, md: SamplingMetadata, keep_probs: bool = False,
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def draw(
+        self,
+        logits: torch.Tensor,
+        md: SamplingMetadata,
+        keep_probs: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """([N] one token per row, the [N, V] distribution the random rows drew from when
         ``keep_probs`` and any row is random, else None). A draft model draws its proposals here."""
         if md.all_greedy and not md.has_logit_processing:
@@ -173,19 +178,34 @@ class Sampler:
         # Per request, from its last row: greedy or not, and its generator (a seeded request's).
         is_greedy = [md.greedy[r] for r in last_rows]
         generators = {i: md.generators[r] for i, r in enumerate(last_rows) if r in md.generators}
-        target_probs, bonus = self._targets_and_bonus(processed, md, argmax, last, is_draft_row, is_greedy,
-                                                      generators)
-        emitted = rejection_sample(target_probs, argmax[is_draft_row], drafts.draft_token_ids, drafts.draft_probs,
-                                   drafts.num_draft_tokens, bonus, is_greedy, generators)
+        target_probs, bonus = self._targets_and_bonus(processed, md, argmax, last, is_draft_row, is_greedy, generators)
+        emitted = rejection_sample(
+            target_probs,
+            argmax[is_draft_row],
+            drafts.draft_token_ids,
+            drafts.draft_probs,
+            drafts.num_draft_tokens,
+            bonus,
+            is_greedy,
+            generators,
+        )
         logprobs = None
         if md.max_num_logprobs is not None:
-            logprobs = compute_logprobs_topk(logits, md.max_num_logprobs,
-                                             _emitted_per_row(emitted, drafts.num_draft_tokens, logits.device))
+            logprobs = compute_logprobs_topk(
+                logits, md.max_num_logprobs, _emitted_per_row(emitted, drafts.num_draft_tokens, logits.device)
+            )
         return SamplerOutput(emitted, logprobs)
 
-    def _targets_and_bonus(self, processed: torch.Tensor, md: SamplingMetadata, argmax: torch.Tensor,
-                           last: torch.Tensor, is_draft_row: torch.Tensor, is_greedy: list[bool],
-                           generators: dict[int, torch.Generator]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _targets_and_bonus(
+        self,
+        processed: torch.Tensor,
+        md: SamplingMetadata,
+        argmax: torch.Tensor,
+        last: torch.Tensor,
+        is_draft_row: torch.Tensor,
+        is_greedy: list[bool],
+        generators: dict[int, torch.Generator],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(the target's distribution at each proposal's row, each request's bonus token: a sample
         at its last row). The bonus draw comes first, then the rejection sampler's (seeded order)."""
         if md.all_greedy:

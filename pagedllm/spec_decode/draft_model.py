@@ -20,18 +20,25 @@ from pagedllm.config import EngineConfig
 from pagedllm.layers.attention.backends.base import AttentionBackend
 from pagedllm.models.loader import load_model
 from pagedllm.sampling.sampler import Sampler
-from pagedllm.spec_decode.proposer import ProposerInputs, Proposals
+from pagedllm.spec_decode.proposer import Proposals, ProposerInputs
 from pagedllm.worker.flat_batch import batch_tensors, index_arrays
 from pagedllm.worker.staging import HostStager
 
 
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
-                 attn_backend: AttentionBackend, stager: HostStager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        attn_backend: AttentionBackend,
+        stager: HostStager,
+    ) -> None:
         spec = config.speculative_config
         mc = config.model_config
-        self.model = load_model(spec.draft_model, spec.draft_arch, load_format=mc.load_format, dtype=dtype,
-                                device=device, seed=mc.seed)
+        self.model = load_model(
+            spec.draft_model, spec.draft_arch, load_format=mc.load_format, dtype=dtype, device=device, seed=mc.seed
+        )
         self.attn_backend, self.stager = attn_backend, stager
         self.sampler = Sampler()
 
@@ -79,8 +86,9 @@ class DraftModelProposer:
         """One decode step of the draft on its own latest guess for each request still going."""
         rows = inputs.sample_rows[active]
         # The emitted token sits at num_tokens - 1; guess j + 1 goes right after guess j.
-        arrays, _ = index_arrays(np.ones(len(rows), dtype=np.int64), inputs.num_tokens[rows] + j,
-                                 inputs.block_table[rows], inputs.block_size)
+        arrays, _ = index_arrays(
+            np.ones(len(rows), dtype=np.int64), inputs.num_tokens[rows] + j, inputs.block_table[rows], inputs.block_size
+        )
         arrays["input_ids"] = tokens
         return self.model.compute_logits(self._forward(arrays, inputs.block_size))
 
@@ -88,8 +96,9 @@ class DraftModelProposer:
         input_ids, positions, attn = batch_tensors(arrays, self.stager.stage(arrays), block_size)
         return self.model(input_ids, positions, self.attn_backend.build_metadata(attn))
 
-    def _draw(self, inputs: ProposerInputs, active: np.ndarray, logits: torch.Tensor,
-              probs: dict[int, list[torch.Tensor]]) -> list[int]:
+    def _draw(
+        self, inputs: ProposerInputs, active: np.ndarray, logits: torch.Tensor, probs: dict[int, list[torch.Tensor]]
+    ) -> list[int]:
         """One guess per active request through the Sampler (argmax for greedy requests); the
         distributions of the random ones are kept for the verifier."""
         assert inputs.sampling is not None, "requests with room sampled this step: their metadata exists"

@@ -12,8 +12,9 @@ from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.worker.staging import HostStager
 
 
-def make_proposer(config: EngineConfig, device: torch.device, dtype: torch.dtype, attn_backend: AttentionBackend,
-                  stager: HostStager) -> Proposer | None:
+def make_proposer(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, attn_backend: AttentionBackend, stager: HostStager
+) -> Proposer | None:
     """None without speculative decoding. A draft model is loaded here onto ``device``; it runs its
     forwards with the target's attention backend and host stager."""
     spec = config.speculative_config

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedllm.spec_decode.proposer import ProposerInputs, Proposals
+from pagedllm.spec_decode.proposer import Proposals, ProposerInputs
 
 
 class NgramProposer:
@@ -108,7 +108,7 @@ class NgramSpecProposer:
         proposals = Proposals()
         rows, rooms = inputs.sample_rows.tolist(), inputs.max_proposals.tolist()
         for row, room in zip(rows, rooms):
-            tokens = self.ngram.propose(inputs.token_ids[row, :inputs.num_tokens[row]], room) if room else []
+            tokens = self.ngram.propose(inputs.token_ids[row, : inputs.num_tokens[row]], room) if room else []
             if tokens:
                 proposals.token_ids[inputs.req_ids[row]] = tokens
         return proposals

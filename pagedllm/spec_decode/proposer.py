@@ -58,8 +58,9 @@ class Proposer(Protocol):
     def propose(self, inputs: ProposerInputs) -> Proposals: ...
 
 
-def speculation_room(params: SamplingParams, num_tokens: int, num_output_tokens: int, k: int,
-                     max_model_len: int) -> int:
+def speculation_room(
+    params: SamplingParams, num_tokens: int, num_output_tokens: int, k: int, max_model_len: int
+) -> int:
     """How many proposals are worth verifying for a request next step (0: none).
 
     Proposals must stay inside max_model_len and max_tokens (the step always adds one sampled
@@ -68,8 +69,13 @@ def speculation_room(params: SamplingParams, num_tokens: int, num_output_tokens:
     before each position, so those requests decode one token at a time, exactly as without
     speculation.
     """
-    if (params.structured_outputs is not None or params.presence_penalty or params.frequency_penalty
-            or params.repetition_penalty != 1.0 or num_output_tokens < params.min_tokens):
+    if (
+        params.structured_outputs is not None
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.repetition_penalty != 1.0
+        or num_output_tokens < params.min_tokens
+    ):
         return 0
     # The step emits up to room + 1 tokens; a draft model then runs on the last of them, so its
     # position (len + room) must stay below max_model_len.

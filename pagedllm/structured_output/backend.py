@@ -13,8 +13,13 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 # What each constraint kind is called in messages.
-KIND_LABELS = {"json": "JSON schema", "json_object": "JSON object", "regex": "regex", "choice": "choice",
-               "grammar": "grammar"}
+KIND_LABELS = {
+    "json": "JSON schema",
+    "json_object": "JSON object",
+    "regex": "regex",
+    "choice": "choice",
+    "grammar": "grammar",
+}
 _NATIVE_PREFIX = re.compile(r"^\s*\[[\d:]+\]\s+\S+:\d+:\s*")  # "[12:52:58] /project/cpp/x.cc:94: "
 
 

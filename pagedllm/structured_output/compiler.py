@@ -14,7 +14,8 @@ import asyncio
 import concurrent.futures as cf
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import KIND_LABELS, StructuredOutputBackend
@@ -26,15 +27,18 @@ _CACHE_SIZE = 512  # compiled grammars kept (least recently used dropped first)
 class GrammarTimeoutError(ValueError):
     def __init__(self, kind: str, timeout_s: float) -> None:
         self.kind = kind
-        super().__init__(f"the {KIND_LABELS.get(kind, kind)} did not compile within {timeout_s:g} s "
-                         "(--structured-outputs-compile-timeout); simplify it")
+        super().__init__(
+            f"the {KIND_LABELS.get(kind, kind)} did not compile within {timeout_s:g} s "
+            "(--structured-outputs-compile-timeout); simplify it"
+        )
 
 
 class GrammarCompiler:
     """Compiles constraints in background threads; identical constraints compile once."""
 
-    def __init__(self, make_backend: Callable[[], StructuredOutputBackend], timeout_s: float,
-                 max_workers: int = 2) -> None:
+    def __init__(
+        self, make_backend: Callable[[], StructuredOutputBackend], timeout_s: float, max_workers: int = 2
+    ) -> None:
         self.timeout_s = timeout_s
         self._make_backend = make_backend
         self._backend: StructuredOutputBackend | None = None

@@ -45,7 +45,8 @@ class StructuredOutputManager:
             return
         future = self.compiler.submit(params)
         request.structured_output = StructuredOutputRequest(
-            params, future, lambda compiled: self.compiler.backend().new_grammar(compiled), self.timeout_s)
+            params, future, lambda compiled: self.compiler.backend().new_grammar(compiled), self.timeout_s
+        )
         request.status = RequestStatus.WAITING_FOR_FSM
 
     def grammar_bitmask(self, req_ids: list[str], requests: dict[str, Request]) -> GrammarBitmask | None:
@@ -55,7 +56,7 @@ class StructuredOutputManager:
         backend = self.compiler.backend()
         if self._bitmask is None:
             self._bitmask = backend.allocate_bitmask(self.max_rows)
-        bitmask = self._bitmask[:len(req_ids)]
+        bitmask = self._bitmask[: len(req_ids)]
         backend.fill_bitmasks([requests[r].structured_output.grammar for r in req_ids], bitmask)
         return GrammarBitmask(req_ids, bitmask)
 

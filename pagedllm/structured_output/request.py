@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import KIND_LABELS, StructuredOutputGrammar
@@ -19,8 +20,13 @@ class StructuredOutputRequest:
 
     __slots__ = ("params", "grammar", "error", "_future", "_deadline", "_new_grammar")
 
-    def __init__(self, params: StructuredOutputsParams, future: cf.Future,
-                 new_grammar: Callable[[Any], StructuredOutputGrammar], timeout_s: float) -> None:
+    def __init__(
+        self,
+        params: StructuredOutputsParams,
+        future: cf.Future,
+        new_grammar: Callable[[Any], StructuredOutputGrammar],
+        timeout_s: float,
+    ) -> None:
         self.params = params
         self.grammar: StructuredOutputGrammar | None = None
         self.error: str | None = None

@@ -8,8 +8,12 @@ from typing import Any
 
 import xgrammar as xgr
 
-from pagedllm.structured_output.backend import (GrammarCompileError, StructuredOutputBackend,
-                                                StructuredOutputGrammar, clean_native_error)
+from pagedllm.structured_output.backend import (
+    GrammarCompileError,
+    StructuredOutputBackend,
+    StructuredOutputGrammar,
+    clean_native_error,
+)
 
 # Batched bitmask filling pays a thread hand-off; below this many rows a plain loop is faster.
 _MIN_BATCH_FILL = 16
@@ -18,8 +22,7 @@ _MIN_BATCH_FILL = 16
 # One JSON string character that needs no escape, as a regex: printable ASCII but '"' and '\\',
 # then every code point (no surrogates) in ranges of one UTF-8 length each (a range spanning
 # lengths also admits overlong byte sequences in xgrammar's regex engine).
-_PLAIN_CHAR = ("(?:[ !#-\\[\\]-~]|[\\u0080-\\u07FF]|[\\u0800-\\uD7FF]|[\\uE000-\\uFFFF]"
-               "|[\\u{10000}-\\u{10FFFF}])")
+_PLAIN_CHAR = "(?:[ !#-\\[\\]-~]|[\\u0080-\\u07FF]|[\\u0800-\\uD7FF]|[\\uE000-\\uFFFF]|[\\u{10000}-\\u{10FFFF}])"
 
 
 def _bounded_strings_as_patterns(schema: Any) -> Any:
@@ -62,8 +65,9 @@ class XgrammarBackend(StructuredOutputBackend):
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int]) -> None:
         self.vocab_size = vocab_size
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids) or None
+        )
         threads = max(1, min(8, os.cpu_count() or 1))
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads)
         # "auto", not the core count: extra fill threads fight the model's own threads for the
@@ -82,8 +86,7 @@ class XgrammarBackend(StructuredOutputBackend):
             schema = _bounded_strings_as_patterns(json.loads(spec))
             return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         if kind == "json_object":
-            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                     strict_mode=False)
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
         if kind == "regex":
             return self.compiler.compile_regex(spec)
         if kind == "choice":

@@ -100,13 +100,20 @@ class StaticInputs:
     block_table: torch.Tensor  # [N, width]
 
     @classmethod
-    def allocate(cls, max_size: int, width: int, device: torch.device) -> "StaticInputs":
+    def allocate(cls, max_size: int, width: int, device: torch.device) -> StaticInputs:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.int64, device=device)
+
         # Zeros are valid everywhere (token 0, position 0, the null block), so rows never written
         # hold harmless values; padding rows get slot -1 and seq_len 0 at every step.
-        return cls(zeros(max_size), zeros(max_size), zeros(max_size).fill_(-1), zeros(max_size),
-                   torch.arange(max_size + 1, dtype=torch.int64, device=device), zeros(max_size, width))
+        return cls(
+            zeros(max_size),
+            zeros(max_size),
+            zeros(max_size).fill_(-1),
+            zeros(max_size),
+            torch.arange(max_size + 1, dtype=torch.int64, device=device),
+            zeros(max_size, width),
+        )
 
     def load(self, batch: BatchInputs, size: int) -> None:
         """Copy a decode-only batch's inputs into rows [0, n) and mark rows [n, size) as padding.
@@ -129,18 +136,32 @@ class StaticInputs:
     def metadata(self, size: int, block_size: int, max_seq_len: int) -> CommonAttentionMetadata:
         """Views over the first ``size`` rows; the host-side fields are fixed for the size."""
         return CommonAttentionMetadata(
-            query_start_loc=self.query_start_loc[:size + 1], query_start_loc_cpu=list(range(size + 1)),
-            seq_lens=self.seq_lens[:size], seq_lens_cpu=[max_seq_len] * size,
-            block_table=self.block_table[:size], slot_mapping=self.slot_mapping[:size],
-            block_size=block_size, max_query_len=1, max_seq_len=max_seq_len)
+            query_start_loc=self.query_start_loc[: size + 1],
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens=self.seq_lens[:size],
+            seq_lens_cpu=[max_seq_len] * size,
+            block_table=self.block_table[:size],
+            slot_mapping=self.slot_mapping[:size],
+            block_size=block_size,
+            max_query_len=1,
+            max_seq_len=max_seq_len,
+        )
 
 
 class CudaGraphRunner:
     """Captures the model forward per padded decode batch size and replays it for eligible steps."""
 
-    def __init__(self, model: torch.nn.Module, backend: AttentionBackend, sizes: list[int], width: int,
-                 block_size: int, max_model_len: int, device: torch.device,
-                 make_graph: Callable[[], Graph] | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        backend: AttentionBackend,
+        sizes: list[int],
+        width: int,
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        make_graph: Callable[[], Graph] | None = None,
+    ) -> None:
         self.model, self.backend = model, backend
         self.sizes = sizes
         self.block_size, self.max_model_len = block_size, max_model_len
@@ -168,8 +189,7 @@ class CudaGraphRunner:
 
     def can_run(self, batch: BatchInputs) -> bool:
         """Decode-only (one token per request, no proposals) and no larger than the largest graph."""
-        return (batch.attn.max_query_len == 1 and not batch.has_drafts
-                and batch.attn.num_reqs <= self.sizes[-1])
+        return batch.attn.max_query_len == 1 and not batch.has_drafts and batch.attn.num_reqs <= self.sizes[-1]
 
     def run(self, batch: BatchInputs) -> torch.Tensor:
         """Hidden states ``[n, hidden]`` for an eligible batch; a view valid until the next replay."""

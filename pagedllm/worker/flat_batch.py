@@ -18,8 +18,12 @@ from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 from pagedllm.worker.staging import HostStager
 
 
-def index_arrays(counts: np.ndarray, starts: np.ndarray, block_table: np.ndarray, block_size: int,
-                 ) -> tuple[dict[str, np.ndarray], np.ndarray]:
+def index_arrays(
+    counts: np.ndarray,
+    starts: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+) -> tuple[dict[str, np.ndarray], np.ndarray]:
     """(every per-step index array but the token ids, the request row of each token), int64."""
     cu = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=cu[1:])
@@ -35,8 +39,9 @@ def index_arrays(counts: np.ndarray, starts: np.ndarray, block_table: np.ndarray
     return arrays, req_of_token
 
 
-def flat_batch_arrays(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]],
-                      block_size: int) -> dict[str, np.ndarray]:
+def flat_batch_arrays(
+    tokens: list[list[int]], starts: list[int], block_ids: list[list[int]], block_size: int
+) -> dict[str, np.ndarray]:
     """The host (numpy) side of :func:`build_flat_batch`: every per-step index array, int64."""
     counts = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
     arrays, _ = index_arrays(counts, np.asarray(starts, dtype=np.int64), block_table(block_ids), block_size)
@@ -44,9 +49,14 @@ def flat_batch_arrays(tokens: list[list[int]], starts: list[int], block_ids: lis
     return arrays
 
 
-def build_flat_batch(tokens: list[list[int]], starts: list[int], block_ids: list[list[int]], block_size: int,
-                     device: torch.device, stager: HostStager | None = None,
-                     ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+def build_flat_batch(
+    tokens: list[list[int]],
+    starts: list[int],
+    block_ids: list[list[int]],
+    block_size: int,
+    device: torch.device,
+    stager: HostStager | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
     """(input_ids, positions, attention metadata) for requests that each run ``tokens[i]`` from
     position ``starts[i]`` on, writing KV through their block tables (one-off batches: a draft
     model's proposal forwards, the profiling forward)."""
@@ -54,15 +64,24 @@ def build_flat_batch(tokens: list[list[int]], starts: list[int], block_ids: list
     return batch_tensors(arrays, (stager or HostStager(device)).stage(arrays), block_size)
 
 
-def batch_tensors(arrays: dict[str, np.ndarray], staged: dict[str, torch.Tensor], block_size: int,
-                  ) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
+def batch_tensors(
+    arrays: dict[str, np.ndarray],
+    staged: dict[str, torch.Tensor],
+    block_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, CommonAttentionMetadata]:
     """(input_ids, positions, metadata) from the staged tensors; the Python-int fields from the host arrays."""
     cu, seq_lens = arrays["query_start_loc"], arrays["seq_lens"]
     attn = CommonAttentionMetadata(
-        query_start_loc=staged["query_start_loc"], query_start_loc_cpu=cu.tolist(),
-        seq_lens=staged["seq_lens"], seq_lens_cpu=seq_lens.tolist(),
-        block_table=staged["block_table"], slot_mapping=staged["slot_mapping"],
-        block_size=block_size, max_query_len=int(np.diff(cu).max()), max_seq_len=int(seq_lens.max()))
+        query_start_loc=staged["query_start_loc"],
+        query_start_loc_cpu=cu.tolist(),
+        seq_lens=staged["seq_lens"],
+        seq_lens_cpu=seq_lens.tolist(),
+        block_table=staged["block_table"],
+        slot_mapping=staged["slot_mapping"],
+        block_size=block_size,
+        max_query_len=int(np.diff(cu).max()),
+        max_seq_len=int(seq_lens.max()),
+    )
     return staged["input_ids"], staged["positions"], attn
 
 
@@ -71,5 +90,5 @@ def block_table(block_ids: list[list[int]]) -> np.ndarray:
     width = max(len(ids) for ids in block_ids)
     table = np.zeros((len(block_ids), width), dtype=np.int64)
     for i, ids in enumerate(block_ids):
-        table[i, :len(ids)] = ids
+        table[i, : len(ids)] = ids
     return table

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.sampler import DraftBatch
-from pagedllm.spec_decode.proposer import ProposerInputs, Proposals, speculation_room
+from pagedllm.spec_decode.proposer import Proposals, ProposerInputs, speculation_room
 from pagedllm.worker.batch_inputs import BatchInputs
 from pagedllm.worker.flat_batch import batch_tensors, index_arrays
 from pagedllm.worker.request_state import CachedRequestState
@@ -58,7 +58,7 @@ class InputBatch:
     def tokens(self, req_id: str) -> np.ndarray:
         """The request's prompt + output so far (a view: valid until the batch next changes)."""
         row = self.row_of[req_id]
-        return self.token_ids[row, :self.num_tokens[row]]
+        return self.token_ids[row, : self.num_tokens[row]]
 
     # ------------------------------------------------------------------ diffs
     def sync(self, states: dict[str, CachedRequestState], sched: SchedulerOutput) -> None:
@@ -69,8 +69,7 @@ class InputBatch:
         for req_id in [s.req_id for s in self.states if s.req_id not in scheduled or states.get(s.req_id) is not s]:
             self._remove(req_id)
         cached = sched.scheduled_cached_reqs
-        for req_id, resumed, new_blocks in zip(cached.req_ids, cached.resumed_from_preemption,
-                                               cached.new_block_ids):
+        for req_id, resumed, new_blocks in zip(cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids):
             row = self.row_of.get(req_id)
             if row is not None and (resumed or new_blocks):
                 self._set_blocks(row, states[req_id].block_ids)
@@ -87,7 +86,7 @@ class InputBatch:
     def _append(self, row: int, tokens: list[int]) -> None:
         end = self.num_tokens[row] + len(tokens)
         self._fit(row + 1, end)
-        self.token_ids[row, self.num_tokens[row]:end] = tokens
+        self.token_ids[row, self.num_tokens[row] : end] = tokens
         self.num_tokens[row] = end
 
     def _add(self, state: CachedRequestState) -> None:
@@ -97,7 +96,7 @@ class InputBatch:
         self.row_of[state.req_id] = row
         prompt = state.num_prompt_tokens
         self.token_ids[row, :prompt] = state.prompt_token_ids
-        self.token_ids[row, prompt:state.num_tokens] = state.output_token_ids
+        self.token_ids[row, prompt : state.num_tokens] = state.output_token_ids
         self.num_tokens[row] = state.num_tokens
         self._set_blocks(row, state.block_ids)
         self.version += 1
@@ -118,8 +117,8 @@ class InputBatch:
     def _set_blocks(self, row: int, block_ids: list[int]) -> None:
         if len(block_ids) > self.block_table.shape[1]:
             self.block_table = _grown(self.block_table, self.block_table.shape[0], len(block_ids))
-        self.block_table[row, :len(block_ids)] = block_ids
-        self.block_table[row, len(block_ids):] = 0  # the null block pads, as in a fresh table
+        self.block_table[row, : len(block_ids)] = block_ids
+        self.block_table[row, len(block_ids) :] = 0  # the null block pads, as in a fresh table
         self.num_blocks[row] = len(block_ids)
 
     def _fit(self, rows: int, width: int) -> None:
@@ -129,7 +128,8 @@ class InputBatch:
         if rows > self.num_tokens.shape[0]:
             self.block_table = _grown(self.block_table, rows, self.block_table.shape[1])
             self.num_tokens, self.num_computed, self.num_blocks = (
-                _grown(a[None], 1, rows)[0] for a in (self.num_tokens, self.num_computed, self.num_blocks))
+                _grown(a[None], 1, rows)[0] for a in (self.num_tokens, self.num_computed, self.num_blocks)
+            )
 
     # ------------------------------------------------------------------ one step
     def prepare(self, sched: SchedulerOutput) -> BatchInputs:
@@ -148,18 +148,27 @@ class InputBatch:
         arrays["input_ids"] = self.token_ids[req_of_token, arrays["positions"]]
         # Rows that reach the end of their tokens sample: the last real token's row + each proposal's.
         sample = np.flatnonzero(starts + counts - num_drafts == self.num_tokens[:n])
-        sample_rows, arrays["logits_indices"], is_draft = _logits_rows(arrays["query_start_loc"], sample,
-                                                                       num_drafts[sample])
+        sample_rows, arrays["logits_indices"], is_draft = _logits_rows(
+            arrays["query_start_loc"], sample, num_drafts[sample]
+        )
         has_drafts = bool(is_draft.any())
         if has_drafts:  # a proposal is the input token at every logits row but its request's first
             arrays["draft_token_ids"] = arrays["input_ids"][arrays["logits_indices"][is_draft]]
         staged = self.stager.stage(arrays)
         input_ids, positions, attn = batch_tensors(arrays, staged, self.block_size)
         req_ids = self.req_ids
-        batch = BatchInputs(req_ids=req_ids, input_ids=input_ids, positions=positions, attn=attn, starts=starts,
-                            num_scheduled=counts, logits_indices=staged["logits_indices"],
-                            sample_req_ids=[req_ids[i] for i in sample.tolist()], sample_batch_rows=sample,
-                            sample_rows=sample_rows)
+        batch = BatchInputs(
+            req_ids=req_ids,
+            input_ids=input_ids,
+            positions=positions,
+            attn=attn,
+            starts=starts,
+            num_scheduled=counts,
+            logits_indices=staged["logits_indices"],
+            sample_req_ids=[req_ids[i] for i in sample.tolist()],
+            sample_batch_rows=sample,
+            sample_rows=sample_rows,
+        )
         if len(sample):
             batch.sampling = self._step_metadata(sample_rows, has_drafts)
         if has_drafts:
@@ -169,7 +178,7 @@ class InputBatch:
     def _table(self) -> np.ndarray:
         """The rows' block tables, as wide as the widest (0 = the null block pads)."""
         n = len(self.states)
-        return self.block_table[:n, :max(1, int(self.num_blocks[:n].max()))]
+        return self.block_table[:n, : max(1, int(self.num_blocks[:n].max()))]
 
     def _write_drafts(self, spec_tokens: dict[str, list[int]]) -> np.ndarray:
         """Write each request's proposals past its tokens (where this step's KV goes); [rows] counts."""
@@ -180,7 +189,7 @@ class InputBatch:
                 row = self.row_of[req_id]
                 end = self.num_tokens[row] + len(drafts)
                 self._fit(n, end)
-                self.token_ids[row, self.num_tokens[row]:end] = drafts
+                self.token_ids[row, self.num_tokens[row] : end] = drafts
                 num_drafts[row] = len(drafts)
         return num_drafts
 
@@ -189,10 +198,17 @@ class InputBatch:
         reused while they stay the same (its output lists are the states' live lists)."""
         if self._sampling is None or self._sampling[0] != self.version:
             states = self.states
-            self._sampling = (self.version, SamplingMetadata.from_params(
-                [s.sampling_params for s in states], [s.prompt_token_ids for s in states],
-                [s.output_token_ids for s in states], self.vocab_size, self.stager.device,
-                {i: s.generator for i, s in enumerate(states) if s.generator is not None}))
+            self._sampling = (
+                self.version,
+                SamplingMetadata.from_params(
+                    [s.sampling_params for s in states],
+                    [s.prompt_token_ids for s in states],
+                    [s.output_token_ids for s in states],
+                    self.vocab_size,
+                    self.stager.device,
+                    {i: s.generator for i, s in enumerate(states) if s.generator is not None},
+                ),
+            )
         return self._sampling[1]
 
     def _step_metadata(self, sample_rows: np.ndarray, has_drafts: bool) -> SamplingMetadata:
@@ -210,8 +226,10 @@ class InputBatch:
         if any(p is not None for p in probs):
             # A request without stored distributions (greedy, which never reads them) gets one-hot
             # rows at its proposals: exact for any proposer, should one ever be verified randomly.
-            rows = [p[:len(d)] if p is not None else F.one_hot(d, self.vocab_size).float()
-                    for p, d in zip(probs, draft_ids.split(num_drafts))]
+            rows = [
+                p[: len(d)] if p is not None else F.one_hot(d, self.vocab_size).float()
+                for p, d in zip(probs, draft_ids.split(num_drafts))
+            ]
             draft_probs = torch.cat(rows)
         return DraftBatch(num_drafts, draft_ids, draft_probs)
 
@@ -222,18 +240,29 @@ class InputBatch:
             self.states[row].output_token_ids.extend(tokens)
             self._append(row, tokens)
 
-    def proposer_inputs(self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], k: int,
-                        max_model_len: int) -> ProposerInputs:
+    def proposer_inputs(
+        self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], k: int, max_model_len: int
+    ) -> ProposerInputs:
         """What a proposer sees of the step (after ``record_sampled``): views of the rows."""
         n, rows = len(self.states), batch.sample_batch_rows
         states = [self.states[row] for row in rows.tolist()]
-        rooms = [speculation_room(s.sampling_params, s.num_tokens, len(s.output_token_ids), k, max_model_len)
-                 for s in states]
+        rooms = [
+            speculation_room(s.sampling_params, s.num_tokens, len(s.output_token_ids), k, max_model_len) for s in states
+        ]
         return ProposerInputs(
-            req_ids=batch.req_ids, token_ids=self.token_ids[:n], num_tokens=self.num_tokens[:n], starts=batch.starts,
-            num_scheduled=batch.num_scheduled, block_table=self._table(),
-            block_size=self.block_size, hidden_states=hidden, sample_rows=rows, emitted=emitted,
-            max_proposals=np.asarray(rooms, dtype=np.int64), sampling=self.row_metadata() if states else None)
+            req_ids=batch.req_ids,
+            token_ids=self.token_ids[:n],
+            num_tokens=self.num_tokens[:n],
+            starts=batch.starts,
+            num_scheduled=batch.num_scheduled,
+            block_table=self._table(),
+            block_size=self.block_size,
+            hidden_states=hidden,
+            sample_rows=rows,
+            emitted=emitted,
+            max_proposals=np.asarray(rooms, dtype=np.int64),
+            sampling=self.row_metadata() if states else None,
+        )
 
     def set_proposals(self, batch: BatchInputs, proposals: Proposals) -> None:
         """Keep the distributions of the sampling requests' new proposals (None: deterministic)."""
@@ -242,8 +271,11 @@ class InputBatch:
             state.draft_probs = proposals.probs.get(state.req_id)
 
 
-def _logits_rows(query_start_loc: np.ndarray, sample: np.ndarray, num_drafts: np.ndarray,
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _logits_rows(
+    query_start_loc: np.ndarray,
+    sample: np.ndarray,
+    num_drafts: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For the sampling requests ``sample`` (batch rows) with ``num_drafts`` proposals each: per
     logits row its batch row, its token row (a request's last 1 + k tokens) and whether it is a
     proposal's (every row of a request but its first)."""
@@ -260,5 +292,5 @@ def _grown(a: np.ndarray, rows: int, width: int) -> np.ndarray:
     new_rows = a.shape[0] if rows <= a.shape[0] else max(rows, 2 * a.shape[0])
     new_width = a.shape[1] if width <= a.shape[1] else max(width, 2 * a.shape[1])
     out = np.zeros((new_rows, new_width), dtype=a.dtype)
-    out[:a.shape[0], :a.shape[1]] = a
+    out[: a.shape[0], : a.shape[1]] = a
     return out

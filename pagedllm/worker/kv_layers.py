@@ -20,8 +20,14 @@ def attention_layers(models: Iterable[torch.nn.Module]) -> list[Attention]:
     return [m for model in models for m in model.modules() if isinstance(m, Attention)]
 
 
-def bind_kv_caches(layers: list[Attention], num_blocks: int, block_size: int, dtype: torch.dtype,
-                   device: torch.device, backend: AttentionBackend) -> list[torch.Tensor]:
+def bind_kv_caches(
+    layers: list[Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    backend: AttentionBackend,
+) -> list[torch.Tensor]:
     """Allocate ``[2, num_blocks, block_size, KVH, D]`` per layer, bind it, return the caches."""
     caches = []
     for layer in layers:

@@ -58,28 +58,42 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         mc = self.config.model_config
-        self.model = load_model(mc.model, mc.arch, load_format=mc.load_format, dtype=self.dtype,
-                                device=self.device, seed=mc.seed, quantization=mc.quantization)
-        self.proposer = make_proposer(self.config, self.device, self.dtype, self.attn_backend,
-                                      self.input_batch.stager)
+        self.model = load_model(
+            mc.model,
+            mc.arch,
+            load_format=mc.load_format,
+            dtype=self.dtype,
+            device=self.device,
+            seed=mc.seed,
+            quantization=mc.quantization,
+        )
+        self.proposer = make_proposer(self.config, self.device, self.dtype, self.attn_backend, self.input_batch.stager)
         self.models = [self.model, *(self.proposer.models if self.proposer is not None else [])]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Give every attention layer of every model its own cache over the same block ids."""
-        self.kv_caches = bind_kv_caches(attention_layers(self.models), num_blocks, self.block_size, self.dtype,
-                                        self.device, self.attn_backend)
+        self.kv_caches = bind_kv_caches(
+            attention_layers(self.models), num_blocks, self.block_size, self.dtype, self.device, self.attn_backend
+        )
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode-only forwards (after the KV cache is bound: the graphs bake in its address)."""
         if not graphs_enabled(self.config, self.device, self.attn_backend):
             return
         sizes = capture_sizes(self.config.scheduler_config.max_num_seqs)
-        self.cuda_graphs = CudaGraphRunner(self.model, self.attn_backend, sizes,
-                                           self.config.blocks_per_max_len_request(), self.block_size,
-                                           self.config.model_config.max_model_len, self.device)
+        self.cuda_graphs = CudaGraphRunner(
+            self.model,
+            self.attn_backend,
+            sizes,
+            self.config.blocks_per_max_len_request(),
+            self.block_size,
+            self.config.model_config.max_model_len,
+            self.device,
+        )
         seconds = self.cuda_graphs.capture()
-        logger.info("captured CUDA graphs for decode batch sizes %s in %.1f s (--enforce-eager turns them off)",
-                    sizes, seconds)
+        logger.info(
+            "captured CUDA graphs for decode batch sizes %s in %.1f s (--enforce-eager turns them off)", sizes, seconds
+        )
 
     def _make_generator(self, seed: int | None) -> torch.Generator | None:
         if seed is None:
@@ -109,8 +123,9 @@ class ModelRunner:
             return self.cuda_graphs.run(batch)
         return self.model(batch.input_ids, batch.positions, self.attn_backend.build_metadata(batch.attn))
 
-    def _sample(self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput,
-                grammar_bitmask: Any = None) -> list[list[int]]:
+    def _sample(
+        self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput, grammar_bitmask: Any = None
+    ) -> list[list[int]]:
         """Sample the step's logits rows; record and report what each request emits."""
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if grammar_bitmask is not None:  # constrained rows only (never speculated)
@@ -124,12 +139,14 @@ class ModelRunner:
             split_logprobs(result.logprobs_tensors, states, emitted, batch.rows_per_request, output.logprobs)
         return emitted
 
-    def _propose(self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]],
-                 output: ModelRunnerOutput) -> None:
+    def _propose(
+        self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], output: ModelRunnerOutput
+    ) -> None:
         """Guess the next tokens of the requests that just sampled (speculative decoding)."""
         spec = self.config.speculative_config
-        inputs = self.input_batch.proposer_inputs(batch, hidden, emitted, spec.num_speculative_tokens,
-                                                  self.config.model_config.max_model_len)
+        inputs = self.input_batch.proposer_inputs(
+            batch, hidden, emitted, spec.num_speculative_tokens, self.config.model_config.max_model_len
+        )
         proposals = self.proposer.propose(inputs)
         self.input_batch.set_proposals(batch, proposals)
         output.spec_token_ids = proposals.token_ids

@@ -37,18 +37,27 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
 
-def update_states(states: dict[str, CachedRequestState], sched: SchedulerOutput,
-                  make_generator: Callable[[int | None], torch.Generator | None]) -> None:
+def update_states(
+    states: dict[str, CachedRequestState],
+    sched: SchedulerOutput,
+    make_generator: Callable[[int | None], torch.Generator | None],
+) -> None:
     """Apply the scheduler's diffs to the worker's request states."""
     for req_id in sched.finished_req_ids:
         states.pop(req_id, None)
     for new in sched.scheduled_new_reqs:
         states[new.req_id] = CachedRequestState(
-            new.req_id, list(new.prompt_token_ids), new.sampling_params,
-            make_generator(new.sampling_params.seed), list(new.block_ids), new.num_computed_tokens)
+            new.req_id,
+            list(new.prompt_token_ids),
+            new.sampling_params,
+            make_generator(new.sampling_params.seed),
+            list(new.block_ids),
+            new.num_computed_tokens,
+        )
     cached = sched.scheduled_cached_reqs
-    for req_id, resumed, block_ids, computed in zip(cached.req_ids, cached.resumed_from_preemption,
-                                                    cached.new_block_ids, cached.num_computed_tokens):
+    for req_id, resumed, block_ids, computed in zip(
+        cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
+    ):
         state = states[req_id]
         state.block_ids = list(block_ids) if resumed else state.block_ids + block_ids
         state.num_computed_tokens = computed

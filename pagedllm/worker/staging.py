@@ -40,11 +40,11 @@ class HostStager:
         host = self._host_buffer(offsets[-1])
         host_np = host.numpy()
         for a, offset in zip(arrays.values(), offsets):
-            host_np[offset:offset + a.size] = a.ravel()
+            host_np[offset : offset + a.size] = a.ravel()
         device_buf = torch.empty(offsets[-1], dtype=torch.int64, device=self.device)
-        device_buf.copy_(host[:offsets[-1]], non_blocking=self.pin)
+        device_buf.copy_(host[: offsets[-1]], non_blocking=self.pin)
         self._record_copy()
-        return {name: device_buf[o:o + a.size].view(a.shape) for (name, a), o in zip(arrays.items(), offsets)}
+        return {name: device_buf[o : o + a.size].view(a.shape) for (name, a), o in zip(arrays.items(), offsets)}
 
     def _host_buffer(self, size: int) -> torch.Tensor:
         """The reusable host buffer, once the previous copy out of it has finished; grown if too small."""

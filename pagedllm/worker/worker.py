@@ -71,8 +71,10 @@ class Worker:
         try:
             self.model_runner.load_model()
         except torch.cuda.OutOfMemoryError as e:
-            raise ValueError(f"the model's weights do not fit in the memory of {self.device}; use a smaller model "
-                             "(or a 16-bit --dtype)") from e
+            raise ValueError(
+                f"the model's weights do not fit in the memory of {self.device}; use a smaller model "
+                "(or a 16-bit --dtype)"
+            ) from e
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit in the memory budget (the null block included)."""
@@ -80,8 +82,10 @@ class Worker:
         override = self.config.cache_config.num_gpu_blocks_override
         if override is not None:
             if override < needed:
-                raise ValueError(f"num_gpu_blocks_override={override} cannot hold one request of max_model_len="
-                                 f"{self.config.model_config.max_model_len} ({needed} blocks incl. the null block)")
+                raise ValueError(
+                    f"num_gpu_blocks_override={override} cannot hold one request of max_model_len="
+                    f"{self.config.model_config.max_model_len} ({needed} blocks incl. the null block)"
+                )
             return override
         per_block = self.config.kv_bytes_per_block()
         budget = self._kv_memory_budget()
@@ -94,13 +98,17 @@ class Worker:
 
     def _too_small_message(self, budget: int, needed: int) -> str:
         max_len = self.config.model_config.max_model_len
-        head = (f"the KV cache budget ({max(budget, 0) / (1 << 30):.3g} GiB) cannot hold one request of "
-                f"max_model_len={max_len} ({needed / (1 << 30):.3g} GiB)")
+        head = (
+            f"the KV cache budget ({max(budget, 0) / (1 << 30):.3g} GiB) cannot hold one request of "
+            f"max_model_len={max_len} ({needed / (1 << 30):.3g} GiB)"
+        )
         utilization = self.config.cache_config.gpu_memory_utilization
-        return (f"{head} after the weights and the activations of max_num_batched_tokens="
-                f"{self.config.scheduler_config.max_num_batched_tokens} tokens within gpu_memory_utilization="
-                f"{utilization}; lower --max-model-len, raise --gpu-memory-utilization, lower "
-                "--max-num-batched-tokens, or use a smaller model")
+        return (
+            f"{head} after the weights and the activations of max_num_batched_tokens="
+            f"{self.config.scheduler_config.max_num_batched_tokens} tokens within gpu_memory_utilization="
+            f"{utilization}; lower --max-model-len, raise --gpu-memory-utilization, lower "
+            "--max-num-batched-tokens, or use a smaller model"
+        )
 
     def _kv_memory_budget(self) -> int:
         if self.device.type == "cuda":
@@ -108,10 +116,15 @@ class Worker:
             graphs = graphs_enabled(self.config, self.device, self.model_runner.attn_backend)
             reserve = _RUNTIME_RESERVE + (_CUDA_GRAPH_RESERVE if graphs else 0)
             budget = kv_cache_budget(profile, self.config.cache_config.gpu_memory_utilization, reserve)
-            logger.info("GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB activation peak, "
-                        "%.2f GiB reserve -> %.2f GiB for the KV cache", profile.total / (1 << 30),
-                        profile.used_after_load / (1 << 30), profile.activation_peak / (1 << 30),
-                        reserve / (1 << 30), budget / (1 << 30))
+            logger.info(
+                "GPU memory: %.2f GiB total, %.2f GiB in use after loading, %.2f GiB activation peak, "
+                "%.2f GiB reserve -> %.2f GiB for the KV cache",
+                profile.total / (1 << 30),
+                profile.used_after_load / (1 << 30),
+                profile.activation_peak / (1 << 30),
+                reserve / (1 << 30),
+                budget / (1 << 30),
+            )
             return budget
         memory = self.config.cache_config.kv_cache_memory_bytes
         assert memory is not None, "CacheConfig resolves the CPU KV pool's size (config/cache.py)"
@@ -123,9 +136,11 @@ class Worker:
         try:
             profile_forward(self.model_runner, self.config)
         except torch.cuda.OutOfMemoryError as e:
-            raise ValueError(f"a step of max_num_batched_tokens={self.config.scheduler_config.max_num_batched_tokens}"
-                             " tokens does not fit on the device next to the model; lower --max-num-batched-tokens "
-                             "or --max-model-len, or use a smaller model") from e
+            raise ValueError(
+                f"a step of max_num_batched_tokens={self.config.scheduler_config.max_num_batched_tokens}"
+                " tokens does not fit on the device next to the model; lower --max-num-batched-tokens "
+                "or --max-model-len, or use a smaller model"
+            ) from e
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.initialize_kv_cache(num_blocks)
@@ -150,12 +165,14 @@ def profile_forward(runner: ModelRunner, config: EngineConfig) -> None:
     lengths = profile_lengths(sched.max_num_batched_tokens, config.model_config.max_model_len, sched.max_num_seqs)
     block_size = runner.block_size
     for layer in attention_layers([runner.model]):
-        scratch = torch.zeros(2, 1, block_size, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype,
-                              device=runner.device)
+        scratch = torch.zeros(
+            2, 1, block_size, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype, device=runner.device
+        )
         layer.bind_kv_cache(scratch, runner.attn_backend)  # replaced by initialize_kv_cache
     tables = [[0] * -(-n // block_size) for n in lengths]
-    input_ids, positions, attn = build_flat_batch([[0] * n for n in lengths], [0] * len(lengths), tables,
-                                                  block_size, runner.device)
+    input_ids, positions, attn = build_flat_batch(
+        [[0] * n for n in lengths], [0] * len(lengths), tables, block_size, runner.device
+    )
     hidden = runner.model(input_ids, positions, runner.attn_backend.build_metadata(attn))
     # Prompt logprobs take logits of every prompt row in the step; they are freed before sampling.
     logits = runner.model.compute_logits(hidden)
@@ -170,6 +187,7 @@ def _profile_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
     """Sample every row with the memory-hungriest options: penalties, top-k/top-p sort, logprobs."""
     rows = logits.shape[0]
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=_PROFILE_LOGPROBS)
-    metadata = SamplingMetadata.from_params([params] * rows, [[0]] * rows, [[0]] * rows, runner.vocab_size,
-                                            runner.device)
+    metadata = SamplingMetadata.from_params(
+        [params] * rows, [[0]] * rows, [[0]] * rows, runner.vocab_size, runner.device
+    )
     runner.sampler.sample(logits, metadata)

@@ -34,19 +34,26 @@ _prompt_bases = itertools.count(1)
 
 # ---- helpers -------------------------------------------------------------------------------
 
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def make_request(request_id: str, prompt: int | list[int], priority: int = 0,
-                 arrival_time: float | None = None, eos_token_id: int | None = EOS,
-                 **sampling: object) -> Request:
+def make_request(
+    request_id: str,
+    prompt: int | list[int],
+    priority: int = 0,
+    arrival_time: float | None = None,
+    eos_token_id: int | None = EOS,
+    **sampling: object,
+) -> Request:
     """``prompt``: explicit ids, or a length (distinct ids >= 10000, so no accidental sharing)."""
     if isinstance(prompt, int):
         base = 10_000 * next(_prompt_bases)
         prompt = list(range(base, base + prompt))
-    return Request(request_id, prompt, SamplingParams(**sampling), eos_token_id,
-                   arrival_time=arrival_time, priority=priority)
+    return Request(
+        request_id, prompt, SamplingParams(**sampling), eos_token_id, arrival_time=arrival_time, priority=priority
+    )
 
 
 class FakeModel:
@@ -86,8 +93,8 @@ class FakeModel:
             self.tables[new.req_id] = list(new.block_ids)
         cached = out.scheduled_cached_reqs
         for req_id, resumed, block_ids, num_computed in zip(
-                cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids,
-                cached.num_computed_tokens):
+            cached.req_ids, cached.resumed_from_preemption, cached.new_block_ids, cached.num_computed_tokens
+        ):
             if resumed:
                 self.tables[req_id] = list(block_ids)
             else:
@@ -129,8 +136,9 @@ def step(scheduler: Scheduler, model: FakeModel) -> tuple[SchedulerOutput, Engin
     return out, outputs
 
 
-def run_to_completion(scheduler: Scheduler, model: FakeModel,
-                      max_steps: int = 500) -> dict[str, list[EngineCoreOutput]]:
+def run_to_completion(
+    scheduler: Scheduler, model: FakeModel, max_steps: int = 500
+) -> dict[str, list[EngineCoreOutput]]:
     by_request: dict[str, list[EngineCoreOutput]] = {}
     for _ in range(max_steps):
         if not scheduler.has_unfinished_requests():
@@ -176,15 +184,22 @@ def make_scheduler() -> Iterator[MakeScheduler]:
     no block at all."""
     made: list[tuple[Scheduler, int]] = []
 
-    def make(num_blocks: int = 100, max_num_seqs: int = 16, max_num_batched_tokens: int = 2048,
-             max_model_len: int = 1024, policy: str = "fcfs", caching: bool = True,
-             long_prefill_token_threshold: int = 0) -> Scheduler:
+    def make(
+        num_blocks: int = 100,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 2048,
+        max_model_len: int = 1024,
+        policy: str = "fcfs",
+        caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+    ) -> Scheduler:
         scheduler = Scheduler(
-            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, policy,
-                            long_prefill_token_threshold),
-            CacheConfig(block_size=BS, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9,
-                        enable_prefix_caching=caching),
-            num_blocks)
+            SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, policy, long_prefill_token_threshold),
+            CacheConfig(
+                block_size=BS, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9, enable_prefix_caching=caching
+            ),
+            num_blocks,
+        )
         made.append((scheduler, num_blocks))
         return scheduler
 
@@ -198,6 +213,7 @@ def make_scheduler() -> Iterator[MakeScheduler]:
 
 
 # ---- 1. basic ------------------------------------------------------------------------------
+
 
 def test_basic_prefill_then_decode_with_exact_block_ids(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=10)
@@ -241,6 +257,7 @@ def test_prompt_filling_exact_blocks_and_no_caching(make_scheduler: MakeSchedule
 
 
 # ---- 2. chunked prefill and mixed batches --------------------------------------------------
+
 
 def test_long_prefill_threshold_caps_each_chunk(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=20, max_num_batched_tokens=64, long_prefill_token_threshold=24)
@@ -292,13 +309,17 @@ def test_chunked_prefill_and_mixed_batch(make_scheduler: MakeScheduler) -> None:
     out, outputs = step(sched, model)
     assert list(out.num_scheduled_tokens.items()) == [("A", 1), ("B", 1), ("C", 20)]
     assert cached_reqs(out)[2] == ("C", False, [12, 13], 30)
-    assert summary(outputs) == [("A", [TOKEN], FinishReason.LENGTH),
-                                ("B", [TOKEN], FinishReason.LENGTH), ("C", [TOKEN], None)]
+    assert summary(outputs) == [
+        ("A", [TOKEN], FinishReason.LENGTH),
+        ("B", [TOKEN], FinishReason.LENGTH),
+        ("C", [TOKEN], None),
+    ]
     done = run_to_completion(sched, model)
     assert tokens_of(done["C"]) == [TOKEN]  # its second and last token
 
 
 # ---- 3. max_num_seqs -----------------------------------------------------------------------
+
 
 def test_max_num_seqs_caps_the_batch(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=20, max_num_seqs=2)
@@ -321,6 +342,7 @@ def test_max_num_seqs_caps_the_batch(make_scheduler: MakeScheduler) -> None:
 
 
 # ---- 4. prefix caching ---------------------------------------------------------------------
+
 
 def test_prefix_cache_hits_skip_shared_blocks(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=20)
@@ -381,6 +403,7 @@ def test_num_cached_tokens_is_taken_at_admission(make_scheduler: MakeScheduler) 
 
 # ---- 5. preemption (FCFS) ------------------------------------------------------------------
 
+
 def test_fcfs_preempts_latest_running_and_resumes(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=7)  # six usable blocks
     model = FakeModel(sched)
@@ -422,8 +445,7 @@ def test_fcfs_preempts_latest_running_and_resumes(make_scheduler: MakeScheduler)
 
 
 @pytest.mark.parametrize("caching", [True, False])
-def test_preempted_request_resumes_from_its_own_cached_blocks(
-        make_scheduler: MakeScheduler, caching: bool) -> None:
+def test_preempted_request_resumes_from_its_own_cached_blocks(make_scheduler: MakeScheduler, caching: bool) -> None:
     sched = make_scheduler(num_blocks=6, caching=caching)
     model = FakeModel(sched)
     sched.add_request(make_request("A", 30, max_tokens=10))
@@ -456,13 +478,12 @@ def test_preempted_request_resumes_from_its_own_cached_blocks(
 
 # ---- 6. priority policy --------------------------------------------------------------------
 
+
 def test_priority_waiting_order(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(max_num_seqs=2, policy="priority")
     model = FakeModel(sched)
-    for req_id, priority, arrival in (("R1", 1, 1.0), ("R2", 0, 2.0), ("R3", 2, 0.0), ("R4", 0, 3.0),
-                                      ("R5", 1, 0.5)):
-        sched.add_request(make_request(req_id, 5, priority=priority, arrival_time=arrival,
-                                       max_tokens=1))
+    for req_id, priority, arrival in (("R1", 1, 1.0), ("R2", 0, 2.0), ("R3", 2, 0.0), ("R4", 0, 3.0), ("R5", 1, 0.5)):
+        sched.add_request(make_request(req_id, 5, priority=priority, arrival_time=arrival, max_tokens=1))
     assert waiting_ids(sched) == ["R2", "R4", "R5", "R1", "R3"]
     sched.finish_requests(["R1"], RequestStatus.FINISHED_ABORTED)
     out, _ = step(sched, model)
@@ -474,8 +495,7 @@ def test_priority_waiting_order(make_scheduler: MakeScheduler) -> None:
     assert out.finished_req_ids == {"R2", "R4"}
 
 
-def test_priority_preempts_lowest_priority_even_if_already_scheduled(
-        make_scheduler: MakeScheduler) -> None:
+def test_priority_preempts_lowest_priority_even_if_already_scheduled(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=5, policy="priority")
     model = FakeModel(sched)
     sched.add_request(make_request("L", 20, priority=5, arrival_time=0.0, max_tokens=10))
@@ -508,8 +528,7 @@ def test_priority_preempts_lowest_priority_even_if_already_scheduled(
     assert len(tokens_of(done["L"])) == 5
 
 
-def test_priority_self_preemption_does_not_stall_higher_priority(
-        make_scheduler: MakeScheduler) -> None:
+def test_priority_self_preemption_does_not_stall_higher_priority(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=5, policy="priority")
     model = FakeModel(sched)
     sched.add_request(make_request("L", 31, priority=5, arrival_time=0.0, max_tokens=4))
@@ -527,19 +546,27 @@ def test_priority_self_preemption_does_not_stall_higher_priority(
 
 # ---- 7. stop conditions --------------------------------------------------------------------
 
-@pytest.mark.parametrize("sampling, script, expected_tokens, reason, stop_reason", [
-    (dict(max_tokens=10), [5, 6, EOS, 8], [5, 6, EOS], FinishReason.STOP, None),
-    (dict(max_tokens=5, ignore_eos=True), [EOS, EOS, 5], [EOS, EOS, 5, TOKEN, TOKEN],
-     FinishReason.LENGTH, None),
-    (dict(max_tokens=10, stop_token_ids=[6]), [5, 6, 8], [5, 6], FinishReason.STOP, 6),
-    (dict(max_tokens=10, min_tokens=3, stop_token_ids=[6]), [EOS, 6, 6, 8], [EOS, 6, 6],
-     FinishReason.STOP, 6),
-    (dict(max_tokens=10, min_tokens=3), [6, EOS, EOS, 8], [6, EOS, EOS], FinishReason.STOP, None),
-    (dict(max_tokens=4), [], [TOKEN] * 4, FinishReason.LENGTH, None),
-], ids=["eos", "ignore_eos", "stop_token_id", "min_tokens_stop_id", "min_tokens_eos", "max_tokens"])
-def test_stop_conditions(make_scheduler: MakeScheduler, sampling: dict, script: list[int],
-                         expected_tokens: list[int], reason: FinishReason,
-                         stop_reason: int | None) -> None:
+
+@pytest.mark.parametrize(
+    "sampling, script, expected_tokens, reason, stop_reason",
+    [
+        (dict(max_tokens=10), [5, 6, EOS, 8], [5, 6, EOS], FinishReason.STOP, None),
+        (dict(max_tokens=5, ignore_eos=True), [EOS, EOS, 5], [EOS, EOS, 5, TOKEN, TOKEN], FinishReason.LENGTH, None),
+        (dict(max_tokens=10, stop_token_ids=[6]), [5, 6, 8], [5, 6], FinishReason.STOP, 6),
+        (dict(max_tokens=10, min_tokens=3, stop_token_ids=[6]), [EOS, 6, 6, 8], [EOS, 6, 6], FinishReason.STOP, 6),
+        (dict(max_tokens=10, min_tokens=3), [6, EOS, EOS, 8], [6, EOS, EOS], FinishReason.STOP, None),
+        (dict(max_tokens=4), [], [TOKEN] * 4, FinishReason.LENGTH, None),
+    ],
+    ids=["eos", "ignore_eos", "stop_token_id", "min_tokens_stop_id", "min_tokens_eos", "max_tokens"],
+)
+def test_stop_conditions(
+    make_scheduler: MakeScheduler,
+    sampling: dict,
+    script: list[int],
+    expected_tokens: list[int],
+    reason: FinishReason,
+    stop_reason: int | None,
+) -> None:
     sched = make_scheduler(num_blocks=10)
     model = FakeModel(sched, scripts={"A": script})
     request = make_request("A", 20, **sampling)
@@ -562,8 +589,7 @@ def test_max_model_len_caps_output(make_scheduler: MakeScheduler) -> None:
     assert request.status == RequestStatus.FINISHED_LENGTH_CAPPED
 
 
-def test_finished_request_frees_blocks_and_is_reported_next_step(
-        make_scheduler: MakeScheduler) -> None:
+def test_finished_request_frees_blocks_and_is_reported_next_step(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=10)
     model = FakeModel(sched, scripts={"A": [EOS]})
     sched.add_request(make_request("A", 20, max_tokens=10))
@@ -579,6 +605,7 @@ def test_finished_request_frees_blocks_and_is_reported_next_step(
 
 
 # ---- 8. abort ------------------------------------------------------------------------------
+
 
 def test_abort_waiting_running_unknown_and_finished(make_scheduler: MakeScheduler) -> None:
     sched = make_scheduler(num_blocks=10, max_num_seqs=1)
@@ -642,6 +669,7 @@ def test_abort_preempted_request(make_scheduler: MakeScheduler) -> None:
 
 # ---- soak: many requests through a small pool ----------------------------------------------
 
+
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
 def test_many_requests_through_a_small_pool(make_scheduler: MakeScheduler, policy: str) -> None:
     sched = make_scheduler(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=40, policy=policy)
@@ -649,9 +677,10 @@ def test_many_requests_through_a_small_pool(make_scheduler: MakeScheduler, polic
     shared = list(range(300, 340))
     expected = {}
     for i in range(12):
-        prompt = shared[:8 * (i % 6)] + list(range(1000 * (i + 1), 1000 * (i + 1) + 5 + 3 * i))
+        prompt = shared[: 8 * (i % 6)] + list(range(1000 * (i + 1), 1000 * (i + 1) + 5 + 3 * i))
         expected[f"R{i}"] = 3 + i % 5
-        sched.add_request(make_request(f"R{i}", prompt, priority=i % 3, arrival_time=float(i),
-                                       max_tokens=expected[f"R{i}"]))
+        sched.add_request(
+            make_request(f"R{i}", prompt, priority=i % 3, arrival_time=float(i), max_tokens=expected[f"R{i}"])
+        )
     done = run_to_completion(sched, model)
     assert {r: len(tokens_of(o)) for r, o in done.items()} == expected

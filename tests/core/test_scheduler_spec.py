@@ -17,11 +17,15 @@ NGRAM = SpeculativeConfig("ngram", 3)
 DRAFT = SpeculativeConfig("draft_model", 3, draft_model="unused")
 
 
-def make_scheduler(spec: SpeculativeConfig = NGRAM, num_blocks: int = 32, budget: int = 512,
-                   caching: bool = True) -> Scheduler:
-    return Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256,
-                                     policy="fcfs"),
-                     CacheConfig(BS, None, 0.9, caching), num_blocks, spec)
+def make_scheduler(
+    spec: SpeculativeConfig = NGRAM, num_blocks: int = 32, budget: int = 512, caching: bool = True
+) -> Scheduler:
+    return Scheduler(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget, max_model_len=256, policy="fcfs"),
+        CacheConfig(BS, None, 0.9, caching),
+        num_blocks,
+        spec,
+    )
 
 
 def make_request(req_id: str, prompt_len: int, **sampling) -> Request:

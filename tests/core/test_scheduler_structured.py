@@ -16,8 +16,7 @@ from pagedllm.request import RequestStatus
 from pagedllm.sampling_params import StructuredOutputsParams
 from pagedllm.structured_output.backend import StructuredOutputGrammar
 from pagedllm.structured_output.request import StructuredOutputRequest
-from tests.core.test_scheduler import (EOS, TOKEN, FakeModel, make_request, make_scheduler,  # noqa: F401
-                                       run_to_completion, step)
+from tests.core.test_scheduler import EOS, TOKEN, FakeModel, make_request, make_scheduler, run_to_completion, step  # noqa: F401
 
 
 class ScriptGrammar(StructuredOutputGrammar):
@@ -43,8 +42,9 @@ class ScriptGrammar(StructuredOutputGrammar):
 
 def constrained_request(req_id: str, prompt, future: cf.Future, timeout_s: float = 60.0, **sampling):
     request = make_request(req_id, prompt, **sampling, structured_outputs=StructuredOutputsParams(regex="x"))
-    request.structured_output = StructuredOutputRequest(request.sampling_params.structured_outputs, future,
-                                                        lambda compiled: compiled, timeout_s)
+    request.structured_output = StructuredOutputRequest(
+        request.sampling_params.structured_outputs, future, lambda compiled: compiled, timeout_s
+    )
     request.status = RequestStatus.WAITING_FOR_FSM
     return request
 

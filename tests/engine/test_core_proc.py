@@ -27,13 +27,14 @@ import zmq
 from pagedllm.config import EngineArgs
 from pagedllm.engine.core_client import AsyncMPClient
 from pagedllm.engine.core_proc import EngineCoreProc
-from pagedllm.engine.protocol import (EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequestType,
-                                      UtilityResult)
+from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreOutputType, EngineCoreRequestType, UtilityResult
 from pagedllm.sampling_params import SamplingParams
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+}
 
 
 def _addrs() -> tuple[str, str]:
@@ -71,7 +72,7 @@ class FrontEnd:
     def close(self) -> None:
         self.ctx.destroy(linger=0)
         for addr in (self.input_addr, self.output_addr):
-            os.unlink(addr[len("ipc://"):])
+            os.unlink(addr[len("ipc://") :])
 
 
 class Running:
@@ -245,8 +246,7 @@ def test_a_server_compiles_each_constraint_once(config, core, compiles, monkeypa
     async def main() -> None:
         engine = async_llm.AsyncLLM(config)
         try:
-            params = SamplingParams(max_tokens=60, n=2, temperature=1.0, seed=3,
-                                    structured_outputs={"json": PERSON})
+            params = SamplingParams(max_tokens=60, n=2, temperature=1.0, seed=3, structured_outputs={"json": PERSON})
             await engine.check_structured_outputs(params)  # the server's 400 check
             final = [o async for o in engine.generate("hi", params, "p")][-1]
             for completion in final.outputs:

@@ -17,9 +17,38 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from pagedllm.sampling_params import SamplingParams
 
 WORDS = [
-    "hello", "world", "the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "naïve",
-    "café", "Größe", "日本語", "テキスト", "中文字符", "😀", "🚀🔥", "émoji", "straße", "привет",
-    "мир", "κόσμος", "नमस्ते", "👩‍👩‍👧", "∑∫√", "1234", "STOP", "end.", "\n", "\t", "  ",
+    "hello",
+    "world",
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "lazy",
+    "dog",
+    "naïve",
+    "café",
+    "Größe",
+    "日本語",
+    "テキスト",
+    "中文字符",
+    "😀",
+    "🚀🔥",
+    "émoji",
+    "straße",
+    "привет",
+    "мир",
+    "κόσμος",
+    "नमस्ते",
+    "👩‍👩‍👧",
+    "∑∫√",
+    "1234",
+    "STOP",
+    "end.",
+    "\n",
+    "\t",
+    "  ",
 ]
 SPECIALS = ["<s>", "</s>", "<pad>"]
 EXTRA_SPECIALS = ["<|im_end|>", "<|终|>"]
@@ -37,12 +66,16 @@ def make_tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=320, special_tokens=SPECIALS,
+        vocab_size=320,
+        special_tokens=SPECIALS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     backend.train_from_iterator([random_text(rng) for _ in range(400)], trainer)
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=backend,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
         clean_up_tokenization_spaces=False,
     )
     tokenizer.add_special_tokens({"additional_special_tokens": EXTRA_SPECIALS})
@@ -167,7 +200,7 @@ def _boundary_stop(tokenizer, text: str) -> tuple[list[int], str, int]:
     """Token ids of ``text`` and a 3-char stop string that straddles a token boundary."""
     ids = tokenizer.encode(text, add_special_tokens=False)
     ends = [len(tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]
-    cut = next(e for e in ends[1:-1] if 2 <= e and e + 2 <= len(text))
+    cut = next(e for e in ends[1:-1] if e >= 2 and e + 2 <= len(text))
     return ids, text[cut - 1 : cut + 2], cut - 1
 
 
@@ -178,8 +211,7 @@ def test_stop_string_spanning_tokens_is_found_and_truncated(tokenizer) -> None:
     hits = one_by_one(detok, ids)
     assert [h for h in hits if h] == [stop]
     assert detok.output_text == text[:start]
-    kept = IncrementalDetokenizer(
-        tokenizer, [], SamplingParams(stop=[stop], include_stop_str_in_output=True))
+    kept = IncrementalDetokenizer(tokenizer, [], SamplingParams(stop=[stop], include_stop_str_in_output=True))
     assert feed(kept, ids, random.Random(0)) == stop
     assert kept.output_text == text[: start + len(stop)]
 

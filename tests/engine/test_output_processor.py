@@ -78,10 +78,13 @@ def test_eos_and_stop_token_finish(processor, tokenizer) -> None:
     ids = encode(tokenizer, "hi")
     processor.add_request(make_request("eos", [0], skip_special_tokens=False), None)
     processor.add_request(make_request("tok", [0], stop_token_ids=[ids[-1]]), None)
-    outputs = run(processor, [
-        out("eos", ids + [1], FinishReason.STOP),
-        out("tok", ids, FinishReason.STOP, stop_reason=ids[-1]),
-    ])
+    outputs = run(
+        processor,
+        [
+            out("eos", ids + [1], FinishReason.STOP),
+            out("tok", ids, FinishReason.STOP, stop_reason=ids[-1]),
+        ],
+    )
     eos, tok = (o.outputs[0] for o in outputs)
     assert (eos.finish_reason, eos.stop_reason, eos.text) == ("stop", None, "hi")  # no "</s>"
     assert (tok.finish_reason, tok.stop_reason) == ("stop", ids[-1])
@@ -100,8 +103,7 @@ def test_stop_string_finishes_and_asks_to_abort(processor, tokenizer) -> None:
     result = processor.process_outputs([out("s", ids)])
     assert result.reqs_to_abort == ["s"]
     completion = result.request_outputs[0].outputs[0]
-    assert (completion.text, completion.finish_reason, completion.stop_reason) == (
-        "hello world ", "stop", "fox")
+    assert (completion.text, completion.finish_reason, completion.stop_reason) == ("hello world ", "stop", "fox")
     assert completion.token_ids == ids  # tokens are not cut, like vLLM
     # The core still sends this step's leftovers: they are ignored.
     assert processor.process_outputs([out("s", [5])]).request_outputs == []
@@ -219,8 +221,7 @@ def test_parent_delta_streams_each_child(processor, tokenizer) -> None:
     _add_parent(processor, DELTA)
     ids = encode(tokenizer, "fox")
     step = run(processor, [out("0_p", ids), out("1_p", ids, FinishReason.LENGTH)])
-    assert [(r.request_id, r.outputs[0].index, r.finished) for r in step] == [
-        ("p", 0, False), ("p", 1, False)]
+    assert [(r.request_id, r.outputs[0].index, r.finished) for r in step] == [("p", 0, False), ("p", 1, False)]
     done = FinishReason.LENGTH
     step = run(processor, [out("2_p", ids, done), out("0_p", ids, done)])
     assert [r.finished for r in step] == [False, True]
@@ -277,8 +278,7 @@ def test_abort_requests(processor, tokenizer) -> None:
 
 def test_detokenize_false_and_readable_repr(processor) -> None:
     processor.add_request(make_request("d", list(range(30)), detokenize=False, logprobs=1), None)
-    [result] = run(processor, [out("d", [5, 6], FinishReason.LENGTH,
-                                   new_logprobs=fake_logprobs([5, 6], 1))])
+    [result] = run(processor, [out("d", [5, 6], FinishReason.LENGTH, new_logprobs=fake_logprobs([5, 6], 1))])
     assert result.outputs[0].text == "" and result.outputs[0].token_ids == [5, 6]
     assert result.outputs[0].logprobs[0][5].decoded_token is None
     text = repr(result)

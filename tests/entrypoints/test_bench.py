@@ -11,6 +11,7 @@ import pytest
 from pagedllm.entrypoints.bench import machine
 from pagedllm.entrypoints.bench.datasets import long_prompt_mix_requests
 from pagedllm.entrypoints.cli import main
+
 from .openai.conftest import RemoteServer
 
 
@@ -35,8 +36,23 @@ def run_bench(capsys, tmp_path: Path, *argv: str) -> dict:
 
 
 def test_throughput(capsys, tmp_path, model_dir):
-    report = run_bench(capsys, tmp_path, "throughput", "--model", str(model_dir), "--num-requests", "6",
-                       "--prompt-len", "8", "24", "--output-len", "2", "6", "--max-num-seqs", "4")
+    report = run_bench(
+        capsys,
+        tmp_path,
+        "throughput",
+        "--model",
+        str(model_dir),
+        "--num-requests",
+        "6",
+        "--prompt-len",
+        "8",
+        "24",
+        "--output-len",
+        "2",
+        "6",
+        "--max-num-seqs",
+        "4",
+    )
     (paged,) = report["results"]
     assert paged["system"] == "pagedllm" and paged["requests"] == 6
     for key in ("requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "elapsed_s"):
@@ -44,17 +60,54 @@ def test_throughput(capsys, tmp_path, model_dir):
 
 
 def test_throughput_prefix_dataset_hits_cache(capsys, tmp_path, model_dir):
-    report = run_bench(capsys, tmp_path, "throughput", "--model", str(model_dir), "--dataset", "prefix",
-                       "--num-requests", "4", "--prefix-len", "48", "--prompt-len", "2", "4",
-                       "--output-len", "2", "2", "--max-num-seqs", "1")
+    report = run_bench(
+        capsys,
+        tmp_path,
+        "throughput",
+        "--model",
+        str(model_dir),
+        "--dataset",
+        "prefix",
+        "--num-requests",
+        "4",
+        "--prefix-len",
+        "48",
+        "--prompt-len",
+        "2",
+        "4",
+        "--output-len",
+        "2",
+        "2",
+        "--max-num-seqs",
+        "1",
+    )
     assert "from the prefix cache" in report["results"][0]["note"]
     assert report["results"][0]["prompt_tokens"] >= 4 * 50
 
 
 def test_latency(capsys, tmp_path, model_dir):
-    report = run_bench(capsys, tmp_path, "latency", "--model", str(model_dir), "--batch-sizes", "1", "3",
-                       "--decode-steps", "2", "--warmup-steps", "1", "--prefill-len", "24", "--prefill-iters", "1",
-                       "--limits-copy-mib", "8", "--limits-gemm-n", "128")
+    report = run_bench(
+        capsys,
+        tmp_path,
+        "latency",
+        "--model",
+        str(model_dir),
+        "--batch-sizes",
+        "1",
+        "3",
+        "--decode-steps",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--prefill-len",
+        "24",
+        "--prefill-iters",
+        "1",
+        "--limits-copy-mib",
+        "8",
+        "--limits-gemm-n",
+        "128",
+    )
     assert report["machine"]["copy_gbps"] > 0 and report["machine"]["gemm_gflops"] > 0
     figures = [(r["figure"], r["batch"]) for r in report["results"]]
     assert figures == [("prefill", 1), ("decode", 1), ("decode", 3)]
@@ -65,9 +118,31 @@ def test_latency(capsys, tmp_path, model_dir):
 
 
 def test_prefix(capsys, tmp_path, model_dir):
-    report = run_bench(capsys, tmp_path, "prefix", "--model", str(model_dir), "--num-requests", "4",
-                       "--prefix-len", "48", "--prompt-len", "2", "4", "--output-len", "1", "2", "--wave-size", "2",
-                       "--cached-prefix-len", "64", "--probe-suffix-len", "4", "--iters", "1")
+    report = run_bench(
+        capsys,
+        tmp_path,
+        "prefix",
+        "--model",
+        str(model_dir),
+        "--num-requests",
+        "4",
+        "--prefix-len",
+        "48",
+        "--prompt-len",
+        "2",
+        "4",
+        "--output-len",
+        "1",
+        "2",
+        "--wave-size",
+        "2",
+        "--cached-prefix-len",
+        "64",
+        "--probe-suffix-len",
+        "4",
+        "--iters",
+        "1",
+    )
     on, off = report["results"]
     assert on["prefix_caching"] and not off["prefix_caching"]
     assert on["workload"]["hit_rate"] > 0 and off["workload"]["hit_rate"] == 0
@@ -76,10 +151,37 @@ def test_prefix(capsys, tmp_path, model_dir):
 
 
 def test_serve(capsys, tmp_path, model_dir, server):
-    report = run_bench(capsys, tmp_path, "serve", "--base-url", server.url, "--model", str(model_dir),
-                       "--dataset", "long-prompts-mix", "--num-requests", "5", "--prompt-len", "4", "8",
-                       "--output-len", "3", "5", "--long-prompt-len", "64", "96", "--long-output-len", "2", "2",
-                       "--long-fraction", "0.4", "--request-rate", "50", "--max-concurrency", "3")
+    report = run_bench(
+        capsys,
+        tmp_path,
+        "serve",
+        "--base-url",
+        server.url,
+        "--model",
+        str(model_dir),
+        "--dataset",
+        "long-prompts-mix",
+        "--num-requests",
+        "5",
+        "--prompt-len",
+        "4",
+        "8",
+        "--output-len",
+        "3",
+        "5",
+        "--long-prompt-len",
+        "64",
+        "96",
+        "--long-output-len",
+        "2",
+        "2",
+        "--long-fraction",
+        "0.4",
+        "--request-rate",
+        "50",
+        "--max-concurrency",
+        "3",
+    )
     assert report["model"] == "tiny" and report["completed"] == 5 and report["failed"] == 0
     assert report["short_outputs"] == 0
     for key in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
@@ -88,9 +190,27 @@ def test_serve(capsys, tmp_path, model_dir, server):
 
 
 def test_serve_counts_failures(capsys, tmp_path, server):
-    report = run_bench(capsys, tmp_path, "serve", "--base-url", server.url, "--served-model-name", "nope",
-                       "--vocab-size", "512", "--num-requests", "2", "--prompt-len", "4", "4",
-                       "--output-len", "2", "2", "--num-warmups", "0")
+    report = run_bench(
+        capsys,
+        tmp_path,
+        "serve",
+        "--base-url",
+        server.url,
+        "--served-model-name",
+        "nope",
+        "--vocab-size",
+        "512",
+        "--num-requests",
+        "2",
+        "--prompt-len",
+        "4",
+        "4",
+        "--output-len",
+        "2",
+        "2",
+        "--num-warmups",
+        "0",
+    )
     assert report["failed"] == 2 and report["completed"] == 0 and report["errors"]
 
 
@@ -168,5 +288,12 @@ def test_old_offline_throughput_command_maps_to_bench():
     from benchmarks.offline_throughput import translate
 
     assert translate(["--num-requests", "4", "--hf-batch-size", "8"]) == [
-        "bench", "throughput", "--hf-baseline", "--num-requests", "4", "--hf-batch-sizes", "8"]
+        "bench",
+        "throughput",
+        "--hf-baseline",
+        "--num-requests",
+        "4",
+        "--hf-batch-sizes",
+        "8",
+    ]
     assert translate(["--skip-hf"]) == ["bench", "throughput"]

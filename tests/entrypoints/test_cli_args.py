@@ -18,16 +18,42 @@ from pagedllm.entrypoints.cli_args import add_engine_args, add_server_args, engi
 # The flags `pagedllm serve` had before the CLI was generated, with their defaults: none may
 # change name, alias or default.
 TODAYS_FLAGS = {
-    "--tokenizer": None, "--served-model-name": None, "--dtype": "auto", "--quantization": None,
-    "--max-model-len": None, "--block-size": 16, "--kv-cache-memory": None, "--gpu-memory-utilization": 0.9,
-    "--max-num-seqs": 256, "--max-num-batched-tokens": None, "--long-prefill-token-threshold": 0,
-    "--enable-prefix-caching": True, "--seed": 0, "--load-format": "auto", "--scheduling-policy": "fcfs",
-    "--device": "auto", "--tensor-parallel-size": 1, "--attention-backend": "auto", "--enforce-eager": False,
-    "--trust-remote-code": False, "--structured-outputs-backend": "xgrammar", "--speculative-config": None,
-    "--speculative-model": None, "--num-speculative-tokens": None, "--structured-outputs-compile-timeout": 30.0,
-    "--host": "0.0.0.0", "--port": 8000, "--api-key": None, "--api-key-file": None, "--chat-template": None,
-    "--enable-auto-tool-choice": False, "--tool-call-parser": None, "--uvicorn-log-level": "info",
-    "--disable-uvicorn-access-log": False, "--shutdown-timeout": 30.0, "--max-waiting-requests": 1024,
+    "--tokenizer": None,
+    "--served-model-name": None,
+    "--dtype": "auto",
+    "--quantization": None,
+    "--max-model-len": None,
+    "--block-size": 16,
+    "--kv-cache-memory": None,
+    "--gpu-memory-utilization": 0.9,
+    "--max-num-seqs": 256,
+    "--max-num-batched-tokens": None,
+    "--long-prefill-token-threshold": 0,
+    "--enable-prefix-caching": True,
+    "--seed": 0,
+    "--load-format": "auto",
+    "--scheduling-policy": "fcfs",
+    "--device": "auto",
+    "--tensor-parallel-size": 1,
+    "--attention-backend": "auto",
+    "--enforce-eager": False,
+    "--trust-remote-code": False,
+    "--structured-outputs-backend": "xgrammar",
+    "--speculative-config": None,
+    "--speculative-model": None,
+    "--num-speculative-tokens": None,
+    "--structured-outputs-compile-timeout": 30.0,
+    "--host": "0.0.0.0",
+    "--port": 8000,
+    "--api-key": None,
+    "--api-key-file": None,
+    "--chat-template": None,
+    "--enable-auto-tool-choice": False,
+    "--tool-call-parser": None,
+    "--uvicorn-log-level": "info",
+    "--disable-uvicorn-access-log": False,
+    "--shutdown-timeout": 30.0,
+    "--max-waiting-requests": 1024,
 }
 ALIASES = {"-q": "--quantization", "-tp": "--tensor-parallel-size"}
 
@@ -49,7 +75,7 @@ def _fields() -> dict[str, dataclasses.Field]:
 
 def test_every_flag_has_a_field_and_every_field_a_flag() -> None:
     actions, fields = _actions(_serve_parser()), _fields()
-    assert set(actions) == set(fields), (set(actions) ^ set(fields))
+    assert set(actions) == set(fields), set(actions) ^ set(fields)
     assert EngineArgs.field_names() == {f.name for topic in ENGINE_TOPICS for f in dataclasses.fields(topic)}
 
 
@@ -67,8 +93,7 @@ def test_flag_defaults_and_choices_agree_with_the_fields() -> None:
 def test_parsing_nothing_gives_the_dataclass_defaults() -> None:
     ns = _serve_parser().parse_args([])
     assert engine_args_from_namespace(ns) == EngineArgs()
-    assert {f.name: getattr(ns, f.name) for f in dataclasses.fields(FrontendArgs)} == \
-        dataclasses.asdict(FrontendArgs())
+    assert {f.name: getattr(ns, f.name) for f in dataclasses.fields(FrontendArgs)} == dataclasses.asdict(FrontendArgs())
 
 
 def test_todays_flags_keep_their_names_aliases_and_defaults() -> None:
@@ -79,8 +104,22 @@ def test_todays_flags_keep_their_names_aliases_and_defaults() -> None:
         assert by_flag[flag].default == default, flag
     for alias, flag in ALIASES.items():
         assert by_flag[alias] is by_flag[flag]
-    ns = parser.parse_args(["-q", "int8", "-tp", "1", "--no-enable-prefix-caching", "--api-key", "a",
-                            "--api-key", "b", "--served-model-name", "x", "y"])
+    ns = parser.parse_args(
+        [
+            "-q",
+            "int8",
+            "-tp",
+            "1",
+            "--no-enable-prefix-caching",
+            "--api-key",
+            "a",
+            "--api-key",
+            "b",
+            "--served-model-name",
+            "x",
+            "y",
+        ]
+    )
     assert (ns.quantization, ns.tensor_parallel_size, ns.enable_prefix_caching) == ("int8", 1, False)
     assert (ns.api_key, ns.served_model_name) == (["a", "b"], ["x", "y"])
     assert engine_args_from_namespace(ns).served_model_name == "x"
@@ -88,9 +127,19 @@ def test_todays_flags_keep_their_names_aliases_and_defaults() -> None:
 
 def test_server_dest_names_the_server_reads() -> None:
     ns = _serve_parser().parse_args([])
-    for name in ("host", "port", "api_key", "api_key_file", "chat_template", "enable_auto_tool_choice",
-                 "tool_call_parser", "uvicorn_log_level", "disable_uvicorn_access_log", "shutdown_timeout",
-                 "max_waiting_requests"):
+    for name in (
+        "host",
+        "port",
+        "api_key",
+        "api_key_file",
+        "chat_template",
+        "enable_auto_tool_choice",
+        "tool_call_parser",
+        "uvicorn_log_level",
+        "disable_uvicorn_access_log",
+        "shutdown_timeout",
+        "max_waiting_requests",
+    ):
         assert hasattr(ns, name), name
 
 

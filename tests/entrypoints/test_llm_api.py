@@ -115,13 +115,16 @@ def test_chat_batch(llm):
 def test_chat_renders_with_the_shared_renderer(llm):
     from pagedllm.entrypoints.chat_utils import render_chat_ids
 
-    template = ("{{- bos_token -}}{%- if tools -%}{{- 'tools: ' + tools[0]['function']['name'] + '\\n' -}}{%- endif -%}"
-                "{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + '\\n' -}}{%- endfor -%}"
-                "{{- tail | default('') -}}")
+    template = (
+        "{{- bos_token -}}{%- if tools -%}{{- 'tools: ' + tools[0]['function']['name'] + '\\n' -}}{%- endif -%}"
+        "{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + '\\n' -}}{%- endfor -%}"
+        "{{- tail | default('') -}}"
+    )
     tools = [{"type": "function", "function": {"name": "lookup"}}]
     outputs = llm.chat(CONVERSATION, GREEDY, use_tqdm=False, chat_template=template, tools=tools, tail="A:")
-    expected = render_chat_ids(llm.get_tokenizer(), CONVERSATION, chat_template=template, tools=tools,
-                               chat_template_kwargs={"tail": "A:"})
+    expected = render_chat_ids(
+        llm.get_tokenizer(), CONVERSATION, chat_template=template, tools=tools, chat_template_kwargs={"tail": "A:"}
+    )
     assert outputs[0].prompt_token_ids == expected
     assert llm.get_tokenizer().decode(expected).endswith("tools: lookup\nsystem: Be brief.\nuser: What is Paris?\nA:")
     with pytest.raises(ValueError, match="chat_template_kwargs must not set"):
@@ -136,19 +139,31 @@ def test_priority_under_fcfs_is_a_value_error(llm):
     assert len(llm.generate(TEXTS[0], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids) == 6
 
 
-
-@pytest.mark.parametrize("prompt, params, match", [
-    ({"prompt_token_ids": []}, GREEDY, "prompt is empty"),
-    ([], GREEDY, "prompt is empty"),
-    ({"text": "hi"}, GREEDY, "'prompt' or 'prompt_token_ids'"),
-    ([5] * MAX_MODEL_LEN, GREEDY, "max_model_len"),
-    ([5, 10**6, 7], GREEDY, "outside the vocabulary"),
-    ([5, -1, 7], GREEDY, "outside the vocabulary"),
-    ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
-    ("hi", SamplingParams(allowed_token_ids=[10**6]), "allowed_token_ids"),
-    ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
-], ids=["empty-dict", "empty-ids", "dict-without-prompt", "too-long", "id-too-big", "id-negative",
-        "stop-id", "allowed-id", "bias-id"])
+@pytest.mark.parametrize(
+    "prompt, params, match",
+    [
+        ({"prompt_token_ids": []}, GREEDY, "prompt is empty"),
+        ([], GREEDY, "prompt is empty"),
+        ({"text": "hi"}, GREEDY, "'prompt' or 'prompt_token_ids'"),
+        ([5] * MAX_MODEL_LEN, GREEDY, "max_model_len"),
+        ([5, 10**6, 7], GREEDY, "outside the vocabulary"),
+        ([5, -1, 7], GREEDY, "outside the vocabulary"),
+        ("hi", SamplingParams(stop_token_ids=[10**6]), "stop_token_ids"),
+        ("hi", SamplingParams(allowed_token_ids=[10**6]), "allowed_token_ids"),
+        ("hi", SamplingParams(logit_bias={10**6: 1.0}), "logit_bias"),
+    ],
+    ids=[
+        "empty-dict",
+        "empty-ids",
+        "dict-without-prompt",
+        "too-long",
+        "id-too-big",
+        "id-negative",
+        "stop-id",
+        "allowed-id",
+        "bias-id",
+    ],
+)
 def test_invalid_input_raises_and_engine_keeps_working(llm, prompt, params, match):
     good = "Hello world"
     # The bad prompt comes after a good one, which must be withdrawn, not left queued.
@@ -158,12 +173,20 @@ def test_invalid_input_raises_and_engine_keeps_working(llm, prompt, params, matc
     assert len(llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 0}, "n must be"), ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
-    ({"stop": [""]}, "stop"), ({"logit_bias": {1: 500.0}}, "logit_bias"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"presence_penalty": 3.0}, "presence_penalty"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"temperature": -1.0}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n must be"),
+        ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
+        ({"stop": [""]}, "stop"),
+        ({"logit_bias": {1: 500.0}}, "logit_bias"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        ({"presence_penalty": 3.0}, "presence_penalty"),
+    ],
+)
 def test_invalid_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
@@ -179,8 +202,9 @@ def test_demo_model(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
     demo = LLM(kv_cache_memory=0.1)  # model=None: the built-in demo model, built into the cache dir
     assert (tmp_path / "demo-llama" / "config.json").is_file()
-    out = demo.generate("Hello, my name is", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
-                        use_tqdm=False)[0].outputs[0]
+    out = demo.generate(
+        "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.token_ids) == 4 and out.text
     _assert_idle_and_intact(demo)
 

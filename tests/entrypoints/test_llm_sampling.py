@@ -57,9 +57,15 @@ def _busy_batch(vocab: int) -> list[tuple[list[int], SamplingParams]]:
     for i in range(10):
         prompt = [rng.randrange(6, vocab) for _ in range(rng.randint(2, 90))]
         params = SamplingParams(
-            temperature=[0.0, 0.7, 1.0, 1.3][i % 4], top_p=[1.0, 0.8][i % 2], top_k=[0, 20, 0][i % 3],
-            seed=[None, 99 + i][i % 2], max_tokens=rng.randint(4, 40), ignore_eos=True,
-            repetition_penalty=1.3 if i == 3 else 1.0, frequency_penalty=0.5 if i == 5 else 0.0)
+            temperature=[0.0, 0.7, 1.0, 1.3][i % 4],
+            top_p=[1.0, 0.8][i % 2],
+            top_k=[0, 20, 0][i % 3],
+            seed=[None, 99 + i][i % 2],
+            max_tokens=rng.randint(4, 40),
+            ignore_eos=True,
+            repetition_penalty=1.3 if i == 3 else 1.0,
+            frequency_penalty=0.5 if i == 5 else 0.0,
+        )
         batch.append((prompt, params))
     return batch
 
@@ -110,13 +116,14 @@ def test_stop_string_from_greedy_text(llm, include):
     greedy = _greedy(llm)
     stop = _pick_stop_string(greedy.text)
     index = greedy.text.index(stop)
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop],
-                            include_stop_str_in_output=include)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=32, ignore_eos=True, stop=[stop], include_stop_str_in_output=include
+    )
     out = _one(llm, PROMPT, params)
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
-    assert out.text == greedy.text[:index + (len(stop) if include else 0)]
+    assert out.text == greedy.text[: index + (len(stop) if include else 0)]
     # Generation ended at the token that completed the stop string.
-    assert out.token_ids == greedy.token_ids[:len(out.token_ids)]
+    assert out.token_ids == greedy.token_ids[: len(out.token_ids)]
     decode = llm.get_tokenizer().decode
     assert stop in decode(out.token_ids, skip_special_tokens=True)
     assert stop not in decode(out.token_ids[:-1], skip_special_tokens=True)
@@ -129,7 +136,7 @@ def test_stop_token_id_from_greedy_output(llm):
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, stop_token_ids=[stop_token])
     out = _one(llm, PROMPT, params)
     assert (out.finish_reason, out.stop_reason) == ("stop", stop_token)
-    assert out.token_ids == greedy.token_ids[:first + 1]
+    assert out.token_ids == greedy.token_ids[: first + 1]
     assert greedy.text.startswith(out.text) and len(out.text) < len(greedy.text)
 
 
@@ -166,16 +173,21 @@ def test_max_tokens_finishes_with_length(llm):
 # ------------------------------------------------------------------ logit bias and penalties
 def test_logit_bias_forces_token(llm):
     forced = 300
-    outputs = llm.generate([PROMPT, LONG_PROMPT], [
-        SamplingParams(temperature=0.0, max_tokens=8, logit_bias={forced: 100.0}),
-        SamplingParams(temperature=1.0, max_tokens=8, logit_bias={forced: 100.0}),
-    ], use_tqdm=False)
+    outputs = llm.generate(
+        [PROMPT, LONG_PROMPT],
+        [
+            SamplingParams(temperature=0.0, max_tokens=8, logit_bias={forced: 100.0}),
+            SamplingParams(temperature=1.0, max_tokens=8, logit_bias={forced: 100.0}),
+        ],
+        use_tqdm=False,
+    )
     for out in outputs:
         assert out.outputs[0].token_ids == [forced] * 8
 
 
-@pytest.mark.parametrize("penalty", [{"repetition_penalty": 2.0}, {"frequency_penalty": 2.0},
-                                     {"presence_penalty": 2.0}])
+@pytest.mark.parametrize(
+    "penalty", [{"repetition_penalty": 2.0}, {"frequency_penalty": 2.0}, {"presence_penalty": 2.0}]
+)
 def test_penalties_change_greedy_output(llm, penalty):
     plain = _greedy(llm).token_ids
     assert _num_repeats(plain) > 5  # the random model loops; penalties should break that
@@ -207,11 +219,15 @@ def _check_ranks(position: dict, k: int) -> None:
 
 
 def test_sample_logprobs(llm):
-    outputs = llm.generate([PROMPT, LONG_PROMPT, "Hi"], [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3),
-        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=3),
-        SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=1),  # fewer than the batch max
-    ], use_tqdm=False)
+    outputs = llm.generate(
+        [PROMPT, LONG_PROMPT, "Hi"],
+        [
+            SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=3),
+            SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=1),  # fewer than the batch max
+        ],
+        use_tqdm=False,
+    )
     _check_positions(outputs[0].outputs[0], 3, greedy=True)
     _check_positions(outputs[1].outputs[0], 3, greedy=False)
     _check_positions(outputs[2].outputs[0], 1, greedy=False)
@@ -225,8 +241,7 @@ def test_prompt_logprobs(llm):
     first = _one(llm, {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=1, logprobs=0))
     # The prompt is in the prefix cache now; prompt logprobs must still cover every position.
     full = prompt + first.token_ids
-    out = llm.generate({"prompt_token_ids": full}, SamplingParams(max_tokens=1, prompt_logprobs=2),
-                       use_tqdm=False)[0]
+    out = llm.generate({"prompt_token_ids": full}, SamplingParams(max_tokens=1, prompt_logprobs=2), use_tqdm=False)[0]
     assert out.prompt_logprobs[0] is None
     assert len(out.prompt_logprobs) == len(full)
     for token, position in zip(full[1:], out.prompt_logprobs[1:]):

@@ -48,10 +48,15 @@ def _pool_intact(request):
         engine.check_integrity()
 
 
-def constrained(temperature: float = 0.0, seed: int | None = None, max_tokens: int = MAX_TOKENS,
-                **constraint) -> SamplingParams:
-    return SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                          structured_outputs=StructuredOutputsParams(**constraint))
+def constrained(
+    temperature: float = 0.0, seed: int | None = None, max_tokens: int = MAX_TOKENS, **constraint
+) -> SamplingParams:
+    return SamplingParams(
+        temperature=temperature,
+        seed=seed,
+        max_tokens=max_tokens,
+        structured_outputs=StructuredOutputsParams(**constraint),
+    )
 
 
 # ------------------------------------------------------------------ JSON schemas
@@ -109,8 +114,16 @@ def test_json_object(llm):
 
 
 # ------------------------------------------------------------------ regex, choice, grammar
-@pytest.mark.parametrize("pattern", [r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[a-z]{2,6}@[a-z]{2,5}\.(com|net)",
-                                     r"#[0-9A-F]{6}", r"-?[1-9][0-9]{0,3}(\.[0-9]{1,2})?"])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        r"\d{3}-\d{4}",
+        r"(yes|no|maybe)",
+        r"[a-z]{2,6}@[a-z]{2,5}\.(com|net)",
+        r"#[0-9A-F]{6}",
+        r"-?[1-9][0-9]{0,3}(\.[0-9]{1,2})?",
+    ],
+)
 def test_regex(llm, pattern):
     params = [constrained(regex=pattern)] + [constrained(1.0, seed, regex=pattern) for seed in range(5)]
     for output in llm.generate(GREEDY_PROMPTS[:1] * 6, params, use_tqdm=False):
@@ -181,19 +194,28 @@ def test_preemption_and_prefix_caching_keep_constrained_outputs(llama_model_dir)
 
 
 # ------------------------------------------------------------------ bad input
-@pytest.mark.parametrize("constraint, message", [
-    ({"json": {"type": "strnig"}}, 'invalid JSON schema: Unsupported type "strnig"'),
-    ({"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}}, "invalid JSON schema: .*missing"),
-    ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
-    ({"regex": "[a-"}, r"invalid regex: .*position 4: Unclosed '\['"),
-    ({"grammar": "root ::= undefined_rule"}, 'invalid grammar: .*Rule "undefined_rule" is not defined'),
-    ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
-    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
-])
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        ({"json": {"type": "strnig"}}, 'invalid JSON schema: Unsupported type "strnig"'),
+        (
+            {"json": {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}},
+            "invalid JSON schema: .*missing",
+        ),
+        ({"json": "{not json"}, "structured_outputs.json is not valid JSON"),
+        ({"regex": "[a-"}, r"invalid regex: .*position 4: Unclosed '\['"),
+        ({"grammar": "root ::= undefined_rule"}, 'invalid grammar: .*Rule "undefined_rule" is not defined'),
+        ({"choice": []}, "structured_outputs.choice must be a non-empty list of strings"),
+        ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ],
+)
 def test_bad_constraints_fail_at_intake(llm, constraint, message):
     with pytest.raises(ValueError, match=message):
-        llm.generate(["ok prompt", "x"], [SamplingParams(max_tokens=4), SamplingParams(
-            structured_outputs=constraint)], use_tqdm=False)
+        llm.generate(
+            ["ok prompt", "x"],
+            [SamplingParams(max_tokens=4), SamplingParams(structured_outputs=constraint)],
+            use_tqdm=False,
+        )
 
 
 def test_min_tokens_conflicts_with_a_constraint():

@@ -19,6 +19,7 @@ def free_ids(pool: BlockPool) -> list[int]:
 
 # ---- FreeKVCacheBlockQueue ---------------------------------------------------------------
 
+
 def test_queue_initial_order_and_popleft() -> None:
     blocks = [KVCacheBlock(i) for i in range(5)]
     queue = FreeKVCacheBlockQueue(blocks)
@@ -65,6 +66,7 @@ def test_queue_drain_and_refill_keeps_links_consistent() -> None:
 
 # ---- hashing -----------------------------------------------------------------------------
 
+
 def test_hash_is_deterministic_and_chained() -> None:
     h1 = hash_block_tokens(None, [1, 2, 3])
     assert h1 == hash_block_tokens(None, [1, 2, 3]) and isinstance(h1, bytes)
@@ -81,6 +83,7 @@ def test_hash_stable_known_value() -> None:
 
 
 # ---- BlockPool ---------------------------------------------------------------------------
+
 
 def test_pool_initial_state() -> None:
     pool = BlockPool(5, enable_caching=True)

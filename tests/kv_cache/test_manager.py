@@ -20,8 +20,7 @@ BS = 16
 
 
 def make_request(request_id: str, token_ids: list[int], cache_salt: str | None = None) -> Request:
-    return Request(request_id, token_ids, SamplingParams(), eos_token_id=None,
-                   cache_salt=cache_salt)
+    return Request(request_id, token_ids, SamplingParams(), eos_token_id=None, cache_salt=cache_salt)
 
 
 def admit(manager: KVCacheManager, request: Request) -> list[int] | None:
@@ -47,8 +46,7 @@ def managers() -> Iterator[list[KVCacheManager]]:
         manager.check_integrity()
 
 
-def new_manager(made: list[KVCacheManager], num_blocks: int, caching: bool = True
-                ) -> KVCacheManager:
+def new_manager(made: list[KVCacheManager], num_blocks: int, caching: bool = True) -> KVCacheManager:
     manager = KVCacheManager(num_blocks, BS, enable_caching=caching)
     made.append(manager)
     return manager
@@ -166,8 +164,7 @@ def test_lookahead_slots_are_allocated_not_cached(managers: list[KVCacheManager]
     assert manager.allocate_slots(r, 1, num_lookahead_tokens=2) == []  # slots already there
 
 
-def test_preempted_request_resumes_from_its_own_cached_output(
-        managers: list[KVCacheManager]) -> None:
+def test_preempted_request_resumes_from_its_own_cached_output(managers: list[KVCacheManager]) -> None:
     manager = new_manager(managers, 6)
     r = make_request("r", list(range(20)))
     admit(manager, r)
@@ -223,7 +220,9 @@ def test_invalid_block_size() -> None:
 
 
 def test_kv_cache_imports_without_torch() -> None:
-    code = ("import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None; "
-            "import pagedllm.kv_cache.manager, pagedllm.kv_cache")
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['numpy'] = None; "
+        "import pagedllm.kv_cache.manager, pagedllm.kv_cache"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr

@@ -15,7 +15,7 @@ def test_silu_and_mul_matches_torch():
     x = torch.randn(7, 2 * 96) * 4
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
-    strided = torch.randn(5, 2 * 96 + 8)[:, :2 * 96]  # a row stride wider than the row
+    strided = torch.randn(5, 2 * 96 + 8)[:, : 2 * 96]  # a row stride wider than the row
     gate, up = strided.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(strided), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
@@ -33,7 +33,7 @@ def test_silu_and_mul_vector_exp_over_the_whole_range():
 def test_write_kv_cache_matches_index_copy():
     blocks, block_size, kv_heads, dim = 6, 4, 2, 8
     qkv = torch.randn(5, (4 + 2 * kv_heads) * dim)  # k and v are strided views, as in the models
-    k, v = qkv[:, 4 * dim:(4 + kv_heads) * dim], qkv[:, (4 + kv_heads) * dim:]
+    k, v = qkv[:, 4 * dim : (4 + kv_heads) * dim], qkv[:, (4 + kv_heads) * dim :]
     slots = torch.tensor([3, 9, 10, 23, 0])
     fused = torch.zeros(2, blocks, block_size, kv_heads, dim)
     kernels.write_kv_cache(k, v, fused, slots)
@@ -75,7 +75,7 @@ def test_decode_attention_reads_a_strided_query():
     heads, kv_heads, dim, block = 4, 2, 16, 4
     cache = torch.randn(2, 6, block, kv_heads, dim)
     qkv = torch.randn(3, (heads + 2 * kv_heads) * dim)
-    q = qkv[:, :heads * dim].view(3, heads, dim)
+    q = qkv[:, : heads * dim].view(3, heads, dim)
     table = torch.tensor([[1, 2, 3], [4, 5, 0], [2, 1, 0]])
     lens = torch.tensor([9, 5, 8])
     strided, dense = torch.empty(3, heads, dim), torch.empty(3, heads, dim)
@@ -98,11 +98,16 @@ def test_decode_attention_matches_sdpa_on_long_contexts(dim, window):
     cache = torch.randn(2, len(order) + 1, block, kv_heads, dim)
     q = torch.randn(len(lens), heads, dim)
     out = torch.empty_like(q)
-    kernels.paged_decode_attention(out, q, cache[0], cache[1], table, lens, dim ** -0.5, window)
+    kernels.paged_decode_attention(out, q, cache[0], cache[1], table, lens, dim**-0.5, window)
     for b, n in enumerate(lens.tolist()):
         keys = cache[0][table[b]].reshape(-1, kv_heads, dim)[:n]
         values = cache[1][table[b]].reshape(-1, kv_heads, dim)[:n]
         first = max(0, n - window) if window else 0
-        ref = F.scaled_dot_product_attention(q[b, :, None], keys[first:].transpose(0, 1), values[first:].transpose(0, 1),
-                                             scale=dim ** -0.5, enable_gqa=True)[:, 0]
+        ref = F.scaled_dot_product_attention(
+            q[b, :, None],
+            keys[first:].transpose(0, 1),
+            values[first:].transpose(0, 1),
+            scale=dim**-0.5,
+            enable_gqa=True,
+        )[:, 0]
         torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)

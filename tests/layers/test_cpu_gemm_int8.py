@@ -116,11 +116,14 @@ def test_unknown_method_is_an_error():
         get_quantization_config("int4")
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"quantization": "int4"}, "quantization must be None"),
-    ({"quantization": "int8", "dtype": "bfloat16"}, "needs dtype float32"),
-    ({"quantization": "int8", "device": "cuda"}, "runs on CPU only"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"quantization": "int4"}, "quantization must be None"),
+        ({"quantization": "int8", "dtype": "bfloat16"}, "needs dtype float32"),
+        ({"quantization": "int8", "device": "cuda"}, "runs on CPU only"),
+    ],
+)
 def test_bad_options_are_value_errors(llama_model_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineArgs(model=str(llama_model_dir), **kwargs).create_engine_config()

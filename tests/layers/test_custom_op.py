@@ -12,8 +12,9 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import get_rope
 from pagedllm.model_arch import RopeConfig
 
-needs_kernels = pytest.mark.skipif(cpu_kernels.load_cpu_kernels() is None,
-                                   reason="the C++ kernels could not be built here")
+needs_kernels = pytest.mark.skipif(
+    cpu_kernels.load_cpu_kernels() is None, reason="the C++ kernels could not be built here"
+)
 
 
 def norm():
@@ -32,10 +33,19 @@ CASES = {
     "rms_norm": (norm, lambda dtype: norm_inputs(dtype)[:1]),
     "fused_add_rms_norm": (norm, norm_inputs),
     "silu_and_mul": (SiluAndMul, lambda dtype: (torch.randn(5, 2 * 48, dtype=dtype) * 4,)),
-    "rope": (lambda: get_rope(16, 64, RopeConfig(), torch.float32),
-             lambda dtype: (torch.tensor([0, 3, 63, 7]), torch.randn(4, 4 * 16), torch.randn(4, 2 * 16))),
-    "kv_write": (KVCacheWrite, lambda dtype: (torch.zeros(2, 3, 4, 2, 8, dtype=dtype), torch.randn(5, 16, dtype=dtype),
-                                              torch.randn(5, 16, dtype=dtype), torch.tensor([0, 4, 11, 6, 1]))),
+    "rope": (
+        lambda: get_rope(16, 64, RopeConfig(), torch.float32),
+        lambda dtype: (torch.tensor([0, 3, 63, 7]), torch.randn(4, 4 * 16), torch.randn(4, 2 * 16)),
+    ),
+    "kv_write": (
+        KVCacheWrite,
+        lambda dtype: (
+            torch.zeros(2, 3, 4, 2, 8, dtype=dtype),
+            torch.randn(5, 16, dtype=dtype),
+            torch.randn(5, 16, dtype=dtype),
+            torch.tensor([0, 4, 11, 6, 1]),
+        ),
+    ),
 }
 
 

@@ -5,30 +5,55 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pagedllm.layers.rotary import get_rope
 from pagedllm.hf_config import normalize_hf_config
+from pagedllm.layers.rotary import get_rope
 from pagedllm.model_arch import RopeConfig
 
 HEAD_DIM, HEADS, KV_HEADS, MAX_POS = 32, 4, 2, 512
 ROPES = {
     "default": {"rope_type": "default"},
     "linear": {"rope_type": "linear", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
-    "yarn-betas": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-                   "beta_fast": 16.0, "beta_slow": 2.0},
-    "yarn-mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-                    "mscale": 0.707, "mscale_all_dim": 1.0},
-    "yarn-attention-factor": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
-                              "attention_factor": 0.8},
+    "yarn-betas": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "beta_fast": 16.0,
+        "beta_slow": 2.0,
+    },
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+    },
+    "yarn-attention-factor": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "attention_factor": 0.8,
+    },
 }
 
 
 def hf_config(params: dict) -> LlamaConfig:
-    return LlamaConfig(hidden_size=HEAD_DIM * HEADS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                       head_dim=HEAD_DIM, max_position_embeddings=MAX_POS,
-                       rope_parameters={"rope_theta": 10000.0, **params}, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(
+        hidden_size=HEAD_DIM * HEADS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS,
+        rope_parameters={"rope_theta": 10000.0, **params},
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 @pytest.mark.parametrize("name", list(ROPES))
@@ -41,8 +66,9 @@ def test_matches_hf(name, dtype):
     k = torch.randn(len(positions), KV_HEADS * HEAD_DIM).to(dtype)
     cos, sin = LlamaRotaryEmbedding(config)(q, positions[None])
     # HF wants [batch, heads, seq, dim].
-    ref_q, ref_k = apply_rotary_pos_emb(q.view(1, -1, HEADS, HEAD_DIM).transpose(1, 2),
-                                        k.view(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2), cos, sin)
+    ref_q, ref_k = apply_rotary_pos_emb(
+        q.view(1, -1, HEADS, HEAD_DIM).transpose(1, 2), k.view(1, -1, KV_HEADS, HEAD_DIM).transpose(1, 2), cos, sin
+    )
     out_q, out_k = ours(positions, q.clone(), k.clone())  # the CPU kernel rotates in place
     assert out_q.shape == q.shape and out_q.dtype == dtype
     torch.testing.assert_close(out_q, ref_q.transpose(1, 2).reshape(q.shape), rtol=0, atol=0)
@@ -64,11 +90,11 @@ def test_partial_rotary_rotates_only_the_leading_dims():
     q, k = torch.randn(10, 2 * HEAD_DIM), torch.randn(10, HEAD_DIM)
     out_q, out_k = full(positions, q.clone(), k.clone())  # the CPU kernel rotates in place
     heads = q.view(10, 2, HEAD_DIM)
-    ref_q, ref_k = half(positions, heads[..., :HEAD_DIM // 2].reshape(10, -1), k[:, :HEAD_DIM // 2])
-    torch.testing.assert_close(out_q.view(10, 2, HEAD_DIM)[..., :HEAD_DIM // 2], ref_q.view(10, 2, -1))
-    torch.testing.assert_close(out_q.view(10, 2, HEAD_DIM)[..., HEAD_DIM // 2:], heads[..., HEAD_DIM // 2:])
-    torch.testing.assert_close(out_k[:, :HEAD_DIM // 2], ref_k)
-    torch.testing.assert_close(out_k[:, HEAD_DIM // 2:], k[:, HEAD_DIM // 2:])
+    ref_q, ref_k = half(positions, heads[..., : HEAD_DIM // 2].reshape(10, -1), k[:, : HEAD_DIM // 2])
+    torch.testing.assert_close(out_q.view(10, 2, HEAD_DIM)[..., : HEAD_DIM // 2], ref_q.view(10, 2, -1))
+    torch.testing.assert_close(out_q.view(10, 2, HEAD_DIM)[..., HEAD_DIM // 2 :], heads[..., HEAD_DIM // 2 :])
+    torch.testing.assert_close(out_k[:, : HEAD_DIM // 2], ref_k)
+    torch.testing.assert_close(out_k[:, HEAD_DIM // 2 :], k[:, HEAD_DIM // 2 :])
 
 
 def test_bad_partial_rotary_factor_is_a_value_error():

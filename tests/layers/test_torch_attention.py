@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.attention.backends.torch_sdpa import MAX_ROWWISE_QUERY_LEN, TorchAttentionBackend
 from pagedllm.layers.attention.metadata import build_common_metadata
 from pagedllm.layers.cpu_kernels import load_cpu_kernels
-from pagedllm.layers.attention.backends.torch_sdpa import MAX_ROWWISE_QUERY_LEN, TorchAttentionBackend
 
 BLOCK = 4
 
@@ -41,11 +41,14 @@ def test_mixed_batch_matches_dense(window, use_kernels):
     # row by row, as speculative verification runs), a decode, and a chunk long enough for SDPA.
     plan = [(0, 7), (6, 5), (9, 1), (3, MAX_ROWWISE_QUERY_LEN + 4)]
     tables = [[3, 1], [5, 2, 9], [4, 8, 7], [10, 11, 12, 13, 14, 15, 16]]
-    full = [(torch.randn(c + n, heads, dim), torch.randn(c + n, kv_heads, dim), torch.randn(c + n, kv_heads, dim))
-            for c, n in plan]
+    full = [
+        (torch.randn(c + n, heads, dim), torch.randn(c + n, kv_heads, dim), torch.randn(c + n, kv_heads, dim))
+        for c, n in plan
+    ]
     # Fill the cached prefixes first (as earlier steps would have).
-    ctx_md = build_common_metadata([c for c, _ in plan if c], [0 for c, _ in plan if c],
-                                   [t for (c, _), t in zip(plan, tables) if c], BLOCK)
+    ctx_md = build_common_metadata(
+        [c for c, _ in plan if c], [0 for c, _ in plan if c], [t for (c, _), t in zip(plan, tables) if c], BLOCK
+    )
     ks = torch.cat([f[1][:c] for (c, _), f in zip(plan, full) if c]).flatten(1)
     vs = torch.cat([f[2][:c] for (c, _), f in zip(plan, full) if c]).flatten(1)
     qs = torch.cat([f[0][:c] for (c, _), f in zip(plan, full) if c]).flatten(1)
@@ -58,5 +61,5 @@ def test_mixed_batch_matches_dense(window, use_kernels):
     start = 0
     for (c, n), (fq, fk, fv) in zip(plan, full):
         expected = dense_attention(fq, fk, fv, kv_heads, window)[c:]
-        torch.testing.assert_close(out[start:start + n], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[start : start + n], expected, atol=1e-5, rtol=1e-5)
         start += n

@@ -77,7 +77,7 @@ def test_row_parallel_sums_to_the_full_output_with_the_bias_once():
         load(layer, "weight", w)
         load(layer, "bias", b)
     assert ranks[1].weight.shape == (7, 5)
-    parts = [r(x[:, 5 * i:5 * (i + 1)]) for i, r in enumerate(ranks)]  # the previous layer's split
+    parts = [r(x[:, 5 * i : 5 * (i + 1)]) for i, r in enumerate(ranks)]  # the previous layer's split
     torch.testing.assert_close(sum(parts), full(x))
 
 
@@ -147,12 +147,15 @@ def test_tied_head_shares_the_embedding_shard():
     torch.testing.assert_close(head(torch.eye(16))[:, :257], table[258:].T)
 
 
-@pytest.mark.parametrize("make,match", [
-    (lambda: ColumnParallelLinear(4, 6), "output size"),
-    (lambda: RowParallelLinear(6, 4), "input size"),
-    (lambda: QKVParallelLinear(8, 2, 6, 2), "num_attention_heads"),
-    (lambda: QKVParallelLinear(8, 2, 8, 3), "num_key_value_heads"),
-])
+@pytest.mark.parametrize(
+    "make,match",
+    [
+        (lambda: ColumnParallelLinear(4, 6), "output size"),
+        (lambda: RowParallelLinear(6, 4), "input size"),
+        (lambda: QKVParallelLinear(8, 2, 6, 2), "num_attention_heads"),
+        (lambda: QKVParallelLinear(8, 2, 8, 3), "num_key_value_heads"),
+    ],
+)
 def test_sizes_that_do_not_split_are_value_errors(make, match):
     with tp_rank(0, 4), pytest.raises(ValueError, match=match):
         make()

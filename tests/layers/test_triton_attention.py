@@ -27,6 +27,7 @@ def _import_kernels():
         pytest.skip("the triton package is not installed", allow_module_level=True)
     if CUDA:
         from pagedllm.layers.attention.ops import triton_paged_attention
+
         return triton_paged_attention
     old = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "1"
@@ -38,9 +39,11 @@ def _import_kernels():
         else:
             os.environ["TRITON_INTERPRET"] = old
     if not triton_paged_attention.interpreting():
-        pytest.skip("triton was imported earlier in this process without TRITON_INTERPRET=1, so its kernels "
-                    "cannot run on CPU here; run this file on its own or with TRITON_INTERPRET=1 set",
-                    allow_module_level=True)
+        pytest.skip(
+            "triton was imported earlier in this process without TRITON_INTERPRET=1, so its kernels "
+            "cannot run on CPU here; run this file on its own or with TRITON_INTERPRET=1 set",
+            allow_module_level=True,
+        )
     return triton_paged_attention
 
 
@@ -52,6 +55,7 @@ from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend 
 from pagedllm.layers.attention.backends.triton_attn import TritonAttentionBackend  # noqa: E402
 from pagedllm.layers.attention.metadata import build_common_metadata  # noqa: E402
 from pagedllm.layers.attention.selector import get_attn_backend, resolve_backend_name  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _interpreter_env(monkeypatch):
@@ -75,7 +79,7 @@ def _tables(plan, gen):
     perm = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables, i = [], 0
     for size in sizes:
-        tables.append(perm[i:i + size])
+        tables.append(perm[i : i + size])
         i += size
     return tables, num_blocks
 
@@ -110,13 +114,22 @@ def run_case(plan, heads, kv_heads, dim, dtype=torch.float32, window=None, tiles
     seqs = [[torch.randn(c + n, h * dim, generator=gen) for h in (heads, kv_heads, kv_heads)] for c, n in plan]
     cached = [i for i, (c, _) in enumerate(plan) if c]
     if cached:
-        pair.step([plan[i][0] for i in cached], [0] * len(cached), [tables[i] for i in cached],
-                  *[torch.cat([seqs[i][j][:plan[i][0]] for i in cached]) for j in range(3)])
-    pair.step([n for _, n in plan], [c for c, _ in plan], tables,
-              *[torch.cat([s[j][c:] for s, (c, _) in zip(seqs, plan)]) for j in range(3)])
+        pair.step(
+            [plan[i][0] for i in cached],
+            [0] * len(cached),
+            [tables[i] for i in cached],
+            *[torch.cat([seqs[i][j][: plan[i][0]] for i in cached]) for j in range(3)],
+        )
+    pair.step(
+        [n for _, n in plan],
+        [c for c, _ in plan],
+        tables,
+        *[torch.cat([s[j][c:] for s, (c, _) in zip(seqs, plan)]) for j in range(3)],
+    )
 
 
 # ------------------------------------------------------------------ reshape_and_cache
+
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_reshape_and_cache_matches_write_kv(dtype):
@@ -157,8 +170,10 @@ def test_decode_only(heads, kv_heads, window):
 
 def _mixed_plan():
     """Prefill from scratch, chunks on cached prefixes (block-aligned and not), and decodes."""
-    return shape([(0, 9), (21, 7), (33, 1), (5, 1), (16, 16)],
-                 [(0, 300), (700, 256), (2048, 512), (1000, 1)] + [(100 * i + 7, 1) for i in range(40)])
+    return shape(
+        [(0, 9), (21, 7), (33, 1), (5, 1), (16, 16)],
+        [(0, 300), (700, 256), (2048, 512), (1000, 1)] + [(100 * i + 7, 1) for i in range(40)],
+    )
 
 
 @pytest.mark.parametrize("window", [None, 7], ids=["full", "window"])
@@ -187,6 +202,7 @@ def test_small_tiles_split_requests(heads, kv_heads):
 
 # ------------------------------------------------------------------ selector and flag
 
+
 def test_selector_defaults_and_override(monkeypatch):
     assert resolve_backend_name("cpu") == "torch"
     assert resolve_backend_name("cpu", "auto") == "torch"
@@ -208,7 +224,9 @@ def test_cli_flag():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_args_from_namespace(parser.parse_args([])).attention_backend == "auto"
-    assert engine_args_from_namespace(parser.parse_args(["--attention-backend", "triton"])).attention_backend == "triton"
+    assert (
+        engine_args_from_namespace(parser.parse_args(["--attention-backend", "triton"])).attention_backend == "triton"
+    )
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-backend", "flash"])
 

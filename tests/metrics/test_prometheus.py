@@ -31,9 +31,16 @@ def finished(reason: str, e2e: float) -> FinishedRequestStats:
 
 def test_fresh_logger_exposes_every_series_at_zero():
     data = samples(PrometheusStatLogger("m"))
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
-                 "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total"):
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+        "vllm:num_preemptions_total",
+    ):
         assert value(data, name) == 0
     for reason in ("stop", "length", "abort"):
         assert value(data, "vllm:request_success_total", finished_reason=reason) == 0
@@ -43,13 +50,27 @@ def test_fresh_logger_exposes_every_series_at_zero():
 
 def test_record_sums_counters_and_keeps_latest_gauges():
     logger = PrometheusStatLogger("tiny")
-    logger.record(SchedulerStats(num_running_reqs=3, num_waiting_reqs=5, kv_cache_usage=0.25,
-                                 prefix_cache_queries=64, prefix_cache_hits=32, num_preemptions=1),
-                  IterationStats(num_prompt_tokens=10, num_generation_tokens=3, time_to_first_tokens=[0.05, 0.3]))
-    logger.record(SchedulerStats(num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5,
-                                 prefix_cache_queries=16, prefix_cache_hits=16),
-                  IterationStats(num_generation_tokens=2, inter_token_latencies=[0.02, 0.02],
-                                 finished_requests=[finished("stop", 0.4), finished("length", 2.0)]))
+    logger.record(
+        SchedulerStats(
+            num_running_reqs=3,
+            num_waiting_reqs=5,
+            kv_cache_usage=0.25,
+            prefix_cache_queries=64,
+            prefix_cache_hits=32,
+            num_preemptions=1,
+        ),
+        IterationStats(num_prompt_tokens=10, num_generation_tokens=3, time_to_first_tokens=[0.05, 0.3]),
+    )
+    logger.record(
+        SchedulerStats(
+            num_running_reqs=1, num_waiting_reqs=0, kv_cache_usage=0.5, prefix_cache_queries=16, prefix_cache_hits=16
+        ),
+        IterationStats(
+            num_generation_tokens=2,
+            inter_token_latencies=[0.02, 0.02],
+            finished_requests=[finished("stop", 0.4), finished("length", 2.0)],
+        ),
+    )
     logger.record(None, IterationStats(finished_requests=[finished("abort", 0.1), finished("stop", 1.2)]))
     data = samples(logger)
     assert value(data, "vllm:num_requests_running") == 1

@@ -6,11 +6,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from pagedllm.demo.tiny import build_tiny_model
+from pagedllm.hf_config import load_hf_config, normalize_hf_config
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, unpack_weight
-from pagedllm.hf_config import load_hf_config, normalize_hf_config
 from pagedllm.models.loader import load_model
-from pagedllm.demo.tiny import build_tiny_model
 
 CPU = torch.device("cpu")
 
@@ -42,8 +42,10 @@ def load(path, config, **kw):
 def test_loads_every_parameter(llama_dir, config):
     model = load(llama_dir, config)
     tensors = load_file(llama_dir / "model.safetensors")
-    torch.testing.assert_close(_dense(model.model.layers[1].self_attn.qkv_proj.weight),
-                               torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]))
+    torch.testing.assert_close(
+        _dense(model.model.layers[1].self_attn.qkv_proj.weight),
+        torch.cat([tensors[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"]),
+    )
     assert not model.training and not any(p.requires_grad for p in model.parameters())
 
 
@@ -64,8 +66,9 @@ def test_unexpected_weight_is_named(llama_dir, config, tmp_path):
 
 
 def test_benign_buffers_are_ignored(llama_dir, config, tmp_path):
-    path = with_tensors(llama_dir, tmp_path / "m", lambda t: t.update(
-        {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)}))
+    path = with_tensors(
+        llama_dir, tmp_path / "m", lambda t: t.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.zeros(8)})
+    )
     load(path, config)
 
 
@@ -78,8 +81,9 @@ def test_wrong_shape_is_a_value_error(llama_dir, config, tmp_path):
 def test_tied_checkpoint_may_carry_lm_head(tmp_path):
     src = build_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
     config = normalize_hf_config(load_hf_config(src))
-    path = with_tensors(src, tmp_path / "m",
-                        lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    path = with_tensors(
+        src, tmp_path / "m", lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()})
+    )
     for p in (src, path):
         model = load(p, config)
         # Same values; on CPU the head holds its own GEMM-layout copy (see layers/quantization/unquantized.py).
@@ -155,7 +159,7 @@ def test_dummy_weights_need_no_files(config):
     assert not torch.equal(params["lm_head.weight"], different["lm_head.weight"])
     assert torch.equal(params["model.norm.weight"], torch.ones(config.hidden_size))
     w = params["model.layers.0.mlp.gate_up_proj.weight"]
-    assert abs(w.std().item() - config.hidden_size ** -0.5) < 0.01
+    assert abs(w.std().item() - config.hidden_size**-0.5) < 0.01
     logits = run_prompt(model, torch.arange(12))
     assert torch.isfinite(logits).all() and logits.std() > 0.1
     assert not model.training and not any(p.requires_grad for p in model.parameters())

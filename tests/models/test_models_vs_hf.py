@@ -9,18 +9,23 @@ import pytest
 import torch
 import transformers
 
+from pagedllm.demo.tiny import build_tiny_model
+from pagedllm.hf_config import load_hf_config, normalize_hf_config
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.metadata import build_common_metadata
 from pagedllm.layers.attention.selector import get_attn_backend
-from pagedllm.hf_config import load_hf_config, normalize_hf_config
 from pagedllm.models.loader import load_model
-from pagedllm.demo.tiny import build_tiny_model
 
 BLOCK, NUM_BLOCKS = 4, 32
 ATOL = RTOL = 1e-4
 
-LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 64}
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
 CASES = {
     "llama": dict(arch="llama"),
@@ -69,10 +74,11 @@ def bind_caches(model: torch.nn.Module):
 
 def run_step(model, backend, batch):
     """batch: (token ids of the whole sequence, first new position, number of new tokens, block table)."""
-    ids = torch.cat([seq[start:start + n] for seq, start, n, _ in batch])
+    ids = torch.cat([seq[start : start + n] for seq, start, n, _ in batch])
     positions = torch.cat([torch.arange(start, start + n) for _, start, n, _ in batch])
-    common = build_common_metadata([n for _, _, n, _ in batch], [start for _, start, _, _ in batch],
-                                   [table for *_, table in batch], BLOCK)
+    common = build_common_metadata(
+        [n for _, _, n, _ in batch], [start for _, start, _, _ in batch], [table for *_, table in batch], BLOCK
+    )
     with torch.no_grad():
         logits = model.compute_logits(model(ids, positions, backend.build_metadata(common)))
     return logits.split([n for _, _, n, _ in batch])
@@ -166,11 +172,13 @@ def test_tensor_parallel_matches_hf(tmp_path):
     single KV head replicated on both ranks."""
     import torch.multiprocessing as mp
 
-    path = build_tiny_model(tmp_path / "model", "qwen2", seed=5, vocab_size=515, num_kv_heads=1,
-                            tie_word_embeddings=True)
+    path = build_tiny_model(
+        tmp_path / "model", "qwen2", seed=5, vocab_size=515, num_kv_heads=1, tie_word_embeddings=True
+    )
     out_file = tmp_path / "logits.pt"
-    mp.start_processes(_tp_worker, args=(2, str(tmp_path / "init"), str(path), str(out_file)), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(
+        _tp_worker, args=(2, str(tmp_path / "init"), str(path), str(out_file)), nprocs=2, start_method="spawn"
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     for seq, logits in zip(prompts(515), torch.load(out_file)):
         torch.testing.assert_close(logits, hf_logits(hf, seq), atol=ATOL, rtol=RTOL)

@@ -43,10 +43,18 @@ def test_greedy_exact_outputs() -> None:
     # Five requests, the target's argmax is 1, 2, 3 for each three-draft request.
     argmaxes = [1, 2, 3] * 4
     drafts = [
-        1, 2, 3,  # all accepted -> bonus appended
-        0, 2, 3,  # rejected at the first -> argmax there
-        1, 0, 3,  # rejected in the middle (later drafts ignored even though they match)
-        1, 2, 0,  # rejected at the last
+        1,
+        2,
+        3,  # all accepted -> bonus appended
+        0,
+        2,
+        3,  # rejected at the first -> argmax there
+        1,
+        0,
+        3,  # rejected in the middle (later drafts ignored even though they match)
+        1,
+        2,
+        0,  # rejected at the last
     ]
     out = _sample(_peaked(argmaxes), drafts, [3, 3, 3, 3, 0], [4, 4, 4, 4, 5], [True] * 5)
     assert out == [[1, 2, 3, 4], [1], [1, 2], [1, 2, 3], [5]]
@@ -119,8 +127,15 @@ def test_seeded_request_is_reproducible_whatever_the_batch() -> None:
         batch_drafts = [0, 1, 2, 3, 4, *drafts, 5]
         torch.rand(17)  # move the global RNG along: unseeded requests must not matter
         gens = {3: torch.Generator().manual_seed(seed), 4: torch.Generator().manual_seed(99)}
-        out = _sample(probs, batch_drafts, [3, 2, 0, k, 1], [1, 1, 1, 9, 1], [False, True, False, False, False],
-                      draft_probs=torch.cat([others[:5], draft, others[5:]]), generators=gens)
+        out = _sample(
+            probs,
+            batch_drafts,
+            [3, 2, 0, k, 1],
+            [1, 1, 1, 9, 1],
+            [False, True, False, False, False],
+            draft_probs=torch.cat([others[:5], draft, others[5:]]),
+            generators=gens,
+        )
         return out[3]
 
     for seed in range(20):
@@ -156,17 +171,21 @@ def test_mismatched_inputs_raise(num_draft_tokens: list[int], bonus: list[int], 
 
 # --------------------------------------------------------------------------- exactness (chi-square)
 # Per-position target (P) and draft (Q) distributions that differ a lot; P[3] is the bonus position.
-P = torch.tensor([
-    [0.40, 0.25, 0.15, 0.10, 0.10, 0.00],
-    [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
-    [0.15, 0.35, 0.05, 0.05, 0.30, 0.10],
-    [0.20, 0.10, 0.30, 0.10, 0.05, 0.25],
-])
-Q = torch.tensor([
-    [0.05, 0.10, 0.15, 0.20, 0.20, 0.30],  # mass on token 5, which the target forbids at position 0
-    [0.30, 0.30, 0.20, 0.10, 0.05, 0.05],
-    [0.10, 0.05, 0.40, 0.25, 0.10, 0.10],
-])
+P = torch.tensor(
+    [
+        [0.40, 0.25, 0.15, 0.10, 0.10, 0.00],
+        [0.05, 0.05, 0.10, 0.20, 0.25, 0.35],
+        [0.15, 0.35, 0.05, 0.05, 0.30, 0.10],
+        [0.20, 0.10, 0.30, 0.10, 0.05, 0.25],
+    ]
+)
+Q = torch.tensor(
+    [
+        [0.05, 0.10, 0.15, 0.20, 0.20, 0.30],  # mass on token 5, which the target forbids at position 0
+        [0.30, 0.30, 0.20, 0.10, 0.05, 0.05],
+        [0.10, 0.05, 0.40, 0.25, 0.10, 0.10],
+    ]
+)
 NUM_REQUESTS = 20_000
 # Chi-square critical values at p = 0.001 by degrees of freedom (scipy.stats.chi2.ppf(0.999, dof)),
 # hard-coded so the test needs no scipy.
@@ -185,8 +204,15 @@ def _speculate(k: int, mode: str, seed: int = 0) -> tuple[list[list[int]], torch
     target = _batched(P[:k], n)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
-        out = rejection_sample(target, target.argmax(dim=1), drafts, _batched(Q[:k], n) if mode == "q" else None,
-                               [k] * n, bonus, [False] * n)
+        out = rejection_sample(
+            target,
+            target.argmax(dim=1),
+            drafts,
+            _batched(Q[:k], n) if mode == "q" else None,
+            [k] * n,
+            bonus,
+            [False] * n,
+        )
     return out, drafts.view(n, k)
 
 

@@ -13,8 +13,7 @@ N, V = 200, 50
 
 
 def _md(params: list[SamplingParams], generators=None) -> SamplingMetadata:
-    return SamplingMetadata.from_params(params, [[] for _ in params], [[] for _ in params], V,
-                                        generators=generators)
+    return SamplingMetadata.from_params(params, [[] for _ in params], [[] for _ in params], V, generators=generators)
 
 
 @pytest.mark.parametrize("scale, greedy", [(0.99, True), (1.01, False)])

@@ -16,7 +16,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
 from pagedllm.spec_decode.draft_model import DraftModelProposer
 from pagedllm.spec_decode.ngram import NgramSpecProposer
-from pagedllm.spec_decode.proposer import ProposerInputs, Proposals, speculation_room
+from pagedllm.spec_decode.proposer import Proposals, ProposerInputs, speculation_room
 from pagedllm.worker.kv_layers import attention_layers
 from pagedllm.worker.model_runner import ModelRunner
 
@@ -50,8 +50,8 @@ def _check_inputs(inputs: ProposerInputs) -> None:
     assert len(inputs.emitted) == len(inputs.sample_rows) == len(inputs.max_proposals)
     assert all(0 <= room <= K for room in inputs.max_proposals.tolist())
     for i, row in enumerate(inputs.sample_rows.tolist()):
-        tokens = inputs.token_ids[row, :inputs.num_tokens[row]].tolist()
-        assert tokens[len(tokens) - len(inputs.emitted[i]):] == inputs.emitted[i]  # the row ends with them
+        tokens = inputs.token_ids[row, : inputs.num_tokens[row]].tolist()
+        assert tokens[len(tokens) - len(inputs.emitted[i]) :] == inputs.emitted[i]  # the row ends with them
     if len(inputs.sample_rows):
         assert inputs.sampling is not None and inputs.sampling.num_rows == len(inputs.req_ids)
 
@@ -73,13 +73,22 @@ def _inputs(rows: list[list[int]], rooms: list[int]) -> ProposerInputs:
     width = max(len(r) for r in rows) + 4
     token_ids = np.full((len(rows), width), 77, dtype=np.int64)  # garbage past each row's end
     for i, r in enumerate(rows):
-        token_ids[i, :len(r)] = r
+        token_ids[i, : len(r)] = r
     n = len(rows)
     return ProposerInputs(
-        req_ids=[f"r{i}" for i in range(n)], token_ids=token_ids, num_tokens=np.array([len(r) for r in rows]),
-        starts=np.array([len(r) - 1 for r in rows]), num_scheduled=np.ones(n, dtype=np.int64),
-        block_table=np.ones((n, 1), dtype=np.int64), block_size=16, hidden_states=torch.zeros(n, 4),
-        sample_rows=np.arange(n), emitted=[[r[-1]] for r in rows], max_proposals=np.array(rooms), sampling=None)
+        req_ids=[f"r{i}" for i in range(n)],
+        token_ids=token_ids,
+        num_tokens=np.array([len(r) for r in rows]),
+        starts=np.array([len(r) - 1 for r in rows]),
+        num_scheduled=np.ones(n, dtype=np.int64),
+        block_table=np.ones((n, 1), dtype=np.int64),
+        block_size=16,
+        hidden_states=torch.zeros(n, 4),
+        sample_rows=np.arange(n),
+        emitted=[[r[-1]] for r in rows],
+        max_proposals=np.array(rooms),
+        sampling=None,
+    )
 
 
 def test_ngram_proposer_reads_only_the_rows_and_respects_the_room():
@@ -118,9 +127,12 @@ def test_spec_decode_modules_do_not_import_the_runner():
 def draft_runner(tiny_model_dir):
     target = tiny_model_dir("llama")
     draft = tiny_model_dir("llama", seed=7, num_layers=1)
-    config = EngineArgs(model=str(target), device="cpu", max_model_len=64,
-                        speculative_config={"method": "draft_model", "model": str(draft),
-                                            "num_speculative_tokens": K}).create_engine_config()
+    config = EngineArgs(
+        model=str(target),
+        device="cpu",
+        max_model_len=64,
+        speculative_config={"method": "draft_model", "model": str(draft), "num_speculative_tokens": K},
+    ).create_engine_config()
     runner = ModelRunner(config, torch.device("cpu"))
     runner.load_model()
     return runner

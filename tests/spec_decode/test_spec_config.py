@@ -20,13 +20,22 @@ def test_off_by_default(llama_model_dir):
 
 
 def test_ngram_json_and_defaults(llama_model_dir):
-    spec = _config(llama_model_dir, speculative_config=json.dumps(
-        {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}))
-    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
-        ("ngram", 4, 2, 4)
+    spec = _config(
+        llama_model_dir,
+        speculative_config=json.dumps(
+            {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        ),
+    )
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (
+        "ngram",
+        4,
+        2,
+        4,
+    )
     assert spec.num_lookahead_tokens == 0
-    spec = _config(llama_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2,
-                                                         "prompt_lookup_max": 1})
+    spec = _config(
+        llama_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1}
+    )
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, 1)
 
 
@@ -41,33 +50,50 @@ def test_old_spellings(llama_model_dir, tiny_model_dir):
 
 def test_draft_kv_shares_the_block_budget(llama_model_dir):
     plain = EngineArgs(model=str(llama_model_dir), max_model_len=256).create_engine_config()
-    spec = EngineArgs(model=str(llama_model_dir), max_model_len=256,
-                      speculative_config={"method": "draft_model", "model": str(llama_model_dir),
-                                          "num_speculative_tokens": 4}).create_engine_config()
+    spec = EngineArgs(
+        model=str(llama_model_dir),
+        max_model_len=256,
+        speculative_config={"method": "draft_model", "model": str(llama_model_dir), "num_speculative_tokens": 4},
+    ).create_engine_config()
     assert spec.kv_bytes_per_block() == 2 * plain.kv_bytes_per_block()
     assert spec.blocks_per_max_len_request() == plain.blocks_per_max_len_request() + 1  # lookahead
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"speculative_config": {"method": "medusa", "num_speculative_tokens": 2}}, "does not exist"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "1..16"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 17}}, "1..16"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": "4"}}, "1..16"),
-    ({"speculative_config": {"method": "ngram"}}, "num_speculative_tokens"),
-    ({"speculative_config": {"num_speculative_tokens": 2}}, "needs a method"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}}, "unknown"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5,
-                             "prompt_lookup_max": 3}}, "must not exceed"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}},
-     "positive"),
-    ({"speculative_config": "{not json"}, "not valid JSON"),
-    ({"speculative_config": "[1, 2]"}, "JSON object"),
-    ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, "needs \"model\""),
-    ({"speculative_config": {"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}},
-     "not a local directory"),
-    ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "num_speculative_tokens": 3},
-     "given twice"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"speculative_config": {"method": "medusa", "num_speculative_tokens": 2}}, "does not exist"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 0}}, "1..16"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 17}}, "1..16"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": "4"}}, "1..16"),
+        ({"speculative_config": {"method": "ngram"}}, "num_speculative_tokens"),
+        ({"speculative_config": {"num_speculative_tokens": 2}}, "needs a method"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "lookup": 3}}, "unknown"),
+        (
+            {
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": 2,
+                    "prompt_lookup_min": 5,
+                    "prompt_lookup_max": 3,
+                }
+            },
+            "must not exceed",
+        ),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}}, "positive"),
+        ({"speculative_config": "{not json"}, "not valid JSON"),
+        ({"speculative_config": "[1, 2]"}, "JSON object"),
+        ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, 'needs "model"'),
+        (
+            {"speculative_config": {"method": "draft_model", "model": "/nonexistent", "num_speculative_tokens": 2}},
+            "not a local directory",
+        ),
+        (
+            {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}, "num_speculative_tokens": 3},
+            "given twice",
+        ),
+    ],
+)
 def test_bad_options_fail_at_start_up(llama_model_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):
         _config(llama_model_dir, **kwargs)

@@ -18,8 +18,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2,
 def _prompts() -> list[list[int]]:
     """Repetitive and plain prompts; the first two share a 48-token prefix (prefix-cache hits)."""
     shared = [11 + (i % 7) for i in range(48)]
-    return [shared + [30, 31], shared + [40, 41, 42], list(range(20, 90)), [5, 6, 7, 8] * 6,
-            [100 + i for i in range(9)], [3, 4] * 20]
+    return [
+        shared + [30, 31],
+        shared + [40, 41, 42],
+        list(range(20, 90)),
+        [5, 6, 7, 8] * 6,
+        [100 + i for i in range(9)],
+        [3, 4] * 20,
+    ]
 
 
 def _generate(model_dir, params=GREEDY, prompts=None, **engine_kwargs):
@@ -60,8 +66,9 @@ def test_greedy_output_unchanged_with_chunked_prefill_and_prefix_caching(arch_ca
 def test_greedy_output_unchanged_under_preemption(arch_case, method):
     target, draft, reference = arch_case
     # 12 usable blocks of 16 tokens: six requests of up to 110 tokens cannot all stay resident.
-    llm, outputs = _generate(target, speculative_config=_spec(method, draft), num_gpu_blocks_override=13,
-                             max_model_len=128)
+    llm, outputs = _generate(
+        target, speculative_config=_spec(method, draft), num_gpu_blocks_override=13, max_model_len=128
+    )
     assert llm.llm_engine.engine_core.scheduler.total_preemptions > 0
     assert _tokens(outputs) == reference
 
@@ -99,8 +106,10 @@ def test_logprobs_are_the_target_models(llama_model_dir):
 def test_requests_that_cannot_speculate_decode_normally(llama_model_dir):
     """Penalties and pending min_tokens depend on each position's prefix: no proposals for
     those requests, and their output is what the plain engine gives."""
-    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
-              SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=30)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, min_tokens=30),
+    ]
     prompts = _prompts()[:2]
     _, plain = _generate(llama_model_dir, params, prompts)
     _, spec = _generate(llama_model_dir, params, prompts, speculative_config=NGRAM)
@@ -119,8 +128,9 @@ def test_sampled_distribution_matches_plain_sampling(tiny_model_dir):
     spec_cfg = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": 3}
 
     def sample(offset: int, **kwargs) -> list[tuple[int, int]]:
-        params = [SamplingParams(temperature=1.5, top_k=4, max_tokens=4, ignore_eos=True, seed=offset + i)
-                  for i in range(n)]
+        params = [
+            SamplingParams(temperature=1.5, top_k=4, max_tokens=4, ignore_eos=True, seed=offset + i) for i in range(n)
+        ]
         llm = LLM(str(target), max_model_len=64, max_num_seqs=256, **kwargs)
         outputs = llm.generate(prompt * n, params, use_tqdm=False)
         llm.llm_engine.check_integrity()
@@ -150,7 +160,6 @@ def test_draft_model_runs_up_to_max_model_len(llama_model_dir):
     right up to the end must not run the draft past its position table."""
     spec = {"method": "draft_model", "model": str(llama_model_dir), "num_speculative_tokens": 4}
     params = SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True)  # max_model_len binds
-    _, outputs = _generate(llama_model_dir, params, [list(range(20, 500))], speculative_config=spec,
-                           max_model_len=512)
+    _, outputs = _generate(llama_model_dir, params, [list(range(20, 500))], speculative_config=spec, max_model_len=512)
     assert len(outputs[0].outputs[0].token_ids) == 512 - 480
     assert outputs[0].outputs[0].finish_reason == "length"

@@ -11,8 +11,8 @@ import msgspec
 import pytest
 import torch
 
-from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.demo.tokenizer import build_tokenizer
+from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.sampling_params import SamplingParams, StructuredOutputsParams
 from pagedllm.structured_output.backend import GrammarCompileError, StructuredOutputBackend
 from pagedllm.structured_output.bitmask import apply_bitmask_torch, apply_grammar_bitmask
@@ -47,15 +47,18 @@ def test_params_round_trip_through_msgspec_and_keep_key_order():
     assert StructuredOutputsParams(choice=["x", "y"]).key() == ("choice", '["x", "y"]')
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({}, "exactly one of json, json_object, regex, choice, grammar; got none"),
-    ({"json": {"type": "object"}, "regex": "a"}, r"got \['json', 'regex'\]"),
-    ({"json": "[1, "}, "structured_outputs.json is not valid JSON"),
-    ({"json": 3}, "structured_outputs.json must be a JSON schema"),
-    ({"choice": ["a", 1]}, "structured_outputs.choice must be a non-empty list of strings"),
-    ({"regex": "  "}, "structured_outputs.regex must be a non-empty string"),
-    ({"json_object": False}, "got none"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "exactly one of json, json_object, regex, choice, grammar; got none"),
+        ({"json": {"type": "object"}, "regex": "a"}, r"got \['json', 'regex'\]"),
+        ({"json": "[1, "}, "structured_outputs.json is not valid JSON"),
+        ({"json": 3}, "structured_outputs.json must be a JSON schema"),
+        ({"choice": ["a", 1]}, "structured_outputs.choice must be a non-empty list of strings"),
+        ({"regex": "  "}, "structured_outputs.regex must be a non-empty string"),
+        ({"json_object": False}, "got none"),
+    ],
+)
 def test_params_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         StructuredOutputsParams(**kwargs)
@@ -63,9 +66,11 @@ def test_params_validation(kwargs, message):
 
 # ------------------------------------------------------------------ backend
 def test_compile_errors_are_clean_and_name_the_kind(backend):
-    cases = [("json", '{"type": "strnig"}', 'invalid JSON schema: Unsupported type "strnig"'),
-             ("regex", "(ab", "invalid regex: Regex parsing error at position 4: The parenthesis is not closed."),
-             ("grammar", 'root ::= "a" |', "invalid grammar: EBNF parser error at line 1, column 15: Expect element")]
+    cases = [
+        ("json", '{"type": "strnig"}', 'invalid JSON schema: Unsupported type "strnig"'),
+        ("regex", "(ab", "invalid regex: Regex parsing error at position 4: The parenthesis is not closed."),
+        ("grammar", 'root ::= "a" |', "invalid grammar: EBNF parser error at line 1, column 15: Expect element"),
+    ]
     for kind, spec, message in cases:
         with pytest.raises(GrammarCompileError) as info:
             backend.compile(kind, spec)
@@ -86,9 +91,17 @@ def test_bounded_strings_are_valid_json_with_the_right_length(backend):
     # xgrammar's own maxLength rule admits raw control characters and surrogate byte sequences.
     schema = json.dumps({"type": "string", "maxLength": 3})
     assert set(_bounded_strings_as_patterns(json.loads(schema))) == {"type", "pattern"}
-    for text, ok in [(b'"abc"', True), ('"h\u00e9\u4e2d"'.encode(), True), ('"\U0001F600"'.encode(), True),
-                     (b'"abcd"', False), (b'"a\x11"', False), (b'"a\\"b"', False), (b'"\xed\xba\xbc"', False),
-                     (b'"\xe0\x9f\xaf"', False), (b'"\xe4\xb8"', False)]:
+    for text, ok in [
+        (b'"abc"', True),
+        ('"h\u00e9\u4e2d"'.encode(), True),
+        ('"\U0001f600"'.encode(), True),
+        (b'"abcd"', False),
+        (b'"a\x11"', False),
+        (b'"a\\"b"', False),
+        (b'"\xed\xba\xbc"', False),
+        (b'"\xe0\x9f\xaf"', False),
+        (b'"\xe4\xb8"', False),
+    ]:
         assert accepts(backend, "json", schema, text) == ok, text
 
 
@@ -137,7 +150,7 @@ def test_apply_matches_xgrammar_and_reference_for_any_row_order(vocab):
     gen = torch.Generator().manual_seed(vocab)
     words = (vocab + 31) // 32
     logits = torch.randn(5, vocab, generator=gen)
-    bitmask = torch.randint(-2**31, 2**31 - 1, (2, words), dtype=torch.int32, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (2, words), dtype=torch.int32, generator=gen)
     req_ids = ["a", "b", "c", "d", "e"]
     ours = logits.clone()
     apply_grammar_bitmask(ours, GrammarBitmask(["d", "b"], bitmask), req_ids)

@@ -17,8 +17,14 @@ import torch
 
 from pagedllm.sampling.sampler import DraftBatch
 from pagedllm.worker.batch_inputs import BatchInputs
-from pagedllm.worker.cuda_graph import (CudaGraphRunner, EagerGraph, StaticInputs, capture_sizes, graphs_enabled,
-                                        padded_size)
+from pagedllm.worker.cuda_graph import (
+    CudaGraphRunner,
+    EagerGraph,
+    StaticInputs,
+    capture_sizes,
+    graphs_enabled,
+    padded_size,
+)
 from pagedllm.worker.flat_batch import build_flat_batch
 
 CUDA = torch.cuda.is_available()
@@ -69,14 +75,29 @@ def test_enforce_eager_flag(llama_model_dir):
 def _batch(tokens, starts, tables, drafts=()) -> BatchInputs:
     ids, positions, attn = build_flat_batch(tokens, starts, tables, BLOCK, torch.device("cpu"))
     draft_batch = DraftBatch([len(drafts)], torch.tensor(drafts, dtype=torch.int64), None) if drafts else None
-    return BatchInputs(req_ids=[str(i) for i in range(len(tokens))], input_ids=ids, positions=positions, attn=attn,
-                       starts=np.asarray(starts), num_scheduled=np.asarray([len(t) for t in tokens]),
-                       logits_indices=torch.zeros(0, dtype=torch.int64), drafts=draft_batch)
+    return BatchInputs(
+        req_ids=[str(i) for i in range(len(tokens))],
+        input_ids=ids,
+        positions=positions,
+        attn=attn,
+        starts=np.asarray(starts),
+        num_scheduled=np.asarray([len(t) for t in tokens]),
+        logits_indices=torch.zeros(0, dtype=torch.int64),
+        drafts=draft_batch,
+    )
 
 
 def _runner(max_num_seqs: int, width: int = 4) -> CudaGraphRunner:
-    return CudaGraphRunner(torch.nn.Identity(), SimpleNamespace(name="triton"), capture_sizes(max_num_seqs), width,
-                           BLOCK, 64, torch.device("cpu"), make_graph=EagerGraph)
+    return CudaGraphRunner(
+        torch.nn.Identity(),
+        SimpleNamespace(name="triton"),
+        capture_sizes(max_num_seqs),
+        width,
+        BLOCK,
+        64,
+        torch.device("cpu"),
+        make_graph=EagerGraph,
+    )
 
 
 def test_can_run_decode_only_batches_that_fit():
@@ -106,12 +127,21 @@ def test_static_inputs_padding():
 
 def test_run_pads_replays_and_slices():
     """With a model that echoes its inputs, run() returns the real rows of the padded replay."""
+
     class Echo(torch.nn.Module):
         def forward(self, ids, positions, md):
             return torch.stack([ids, positions, md.slot_mapping, md.seq_lens], dim=1)
 
-    runner = CudaGraphRunner(Echo(), SimpleNamespace(name="x", build_metadata=lambda c: c), [1, 2, 4], 4, BLOCK, 64,
-                             torch.device("cpu"), make_graph=EagerGraph)
+    runner = CudaGraphRunner(
+        Echo(),
+        SimpleNamespace(name="x", build_metadata=lambda c: c),
+        [1, 2, 4],
+        4,
+        BLOCK,
+        64,
+        torch.device("cpu"),
+        make_graph=EagerGraph,
+    )
     runner.capture()
     assert sorted(runner.outputs) == [1, 2, 4] and runner.outputs[4].shape == (4, 4)
     with torch.inference_mode():  # as in execute_model
@@ -137,8 +167,7 @@ def test_engine_decode_through_graph_runner_matches_eager(tiny_model_dir, monkey
     _interpreted_triton()
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(str(tiny_model_dir("llama")), attention_backend="triton", device="cpu", max_num_seqs=4,
-              max_model_len=64)
+    llm = LLM(str(tiny_model_dir("llama")), attention_backend="triton", device="cpu", max_num_seqs=4, max_model_len=64)
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 20, 9)]
     # Different lengths: the batch shrinks 3 -> 2 -> 1 (padded to 4, 2, 1) as requests finish.
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (7, 4, 2)]
@@ -146,9 +175,16 @@ def test_engine_decode_through_graph_runner_matches_eager(tiny_model_dir, monkey
     runner = llm.llm_engine.engine_core.executor.worker.model_runner
     assert runner.cuda_graphs is None  # nothing is captured off CUDA
     config = runner.config
-    runner.cuda_graphs = CudaGraphRunner(runner.model, runner.attn_backend, capture_sizes(4),
-                                         config.blocks_per_max_len_request(), runner.block_size, 64, runner.device,
-                                         make_graph=EagerGraph)
+    runner.cuda_graphs = CudaGraphRunner(
+        runner.model,
+        runner.attn_backend,
+        capture_sizes(4),
+        config.blocks_per_max_len_request(),
+        runner.block_size,
+        64,
+        runner.device,
+        make_graph=EagerGraph,
+    )
     runner.cuda_graphs.capture()
     graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert graphed == eager
@@ -167,8 +203,15 @@ def test_cuda_graphs_match_eager_on_gpu(tiny_model_dir, dtype):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (30, 12, 25, 5, 17)]
     outs, runners = {}, {}
     for eager in (True, False):
-        llm = LLM(model, device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=128, enforce_eager=eager,
-                  gpu_memory_utilization=0.3)
+        llm = LLM(
+            model,
+            device="cuda",
+            dtype=dtype,
+            max_num_seqs=8,
+            max_model_len=128,
+            enforce_eager=eager,
+            gpu_memory_utilization=0.3,
+        )
         outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         runners[eager] = llm.llm_engine.engine_core.executor.worker.model_runner
     assert runners[True].cuda_graphs is None

@@ -55,8 +55,9 @@ class FakeScheduler:
             req = {"tokens": prompt, "blocks": [], "computed": 0, "known": True}
             self.live[req_id] = req
             count = min(len(prompt), rng.randrange(1, 24))
-            new_reqs.append(NewRequestData(req_id, list(prompt), SamplingParams(temperature=0.0),
-                                           self._blocks_for(req, count), 0))
+            new_reqs.append(
+                NewRequestData(req_id, list(prompt), SamplingParams(temperature=0.0), self._blocks_for(req, count), 0)
+            )
             scheduled[req_id] = count
         for req_id, req in self.live.items():
             if req_id in scheduled or rng.random() < 0.2:  # new this step, or left out of it
@@ -72,8 +73,9 @@ class FakeScheduler:
             new = self._blocks_for(req, req["computed"] + count)
             cached.add(req_id, resumed, list(req["blocks"]) if resumed else new, req["computed"])
             scheduled[req_id] = count
-        return SchedulerOutput(new_reqs, cached, scheduled, sum(scheduled.values()), finished,
-                               scheduled_spec_decode_tokens=drafts)
+        return SchedulerOutput(
+            new_reqs, cached, scheduled, sum(scheduled.values()), finished, scheduled_spec_decode_tokens=drafts
+        )
 
     def after_step(self, sched: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
         for req_id, count in sched.num_scheduled_tokens.items():
@@ -89,7 +91,7 @@ def _reference(batch_rows: list[str], live: dict[str, dict], sched: SchedulerOut
         req, n = live[req_id], sched.num_scheduled_tokens[req_id]
         drafts = sched.scheduled_spec_decode_tokens.get(req_id, [])
         start = req["computed"]
-        tokens.append(req["tokens"][start:start + n - len(drafts)] + drafts)
+        tokens.append(req["tokens"][start : start + n - len(drafts)] + drafts)
         starts.append(start)
         tables.append(req["blocks"])
         if start + n - len(drafts) == len(req["tokens"]):
@@ -152,8 +154,10 @@ def test_prepare_matches_list_reference_over_random_diffs(seed):
 def test_rows_leave_and_come_back_with_their_state():
     states, batch = {}, _input_batch()
     params = SamplingParams(temperature=0.0)
-    new = [NewRequestData(f"r{i}", [i] * (300 if i == 2 else 3), params, list(range(10 * i + 1, 10 * i + 3)), 0)
-           for i in range(3)]
+    new = [
+        NewRequestData(f"r{i}", [i] * (300 if i == 2 else 3), params, list(range(10 * i + 1, 10 * i + 3)), 0)
+        for i in range(3)
+    ]
     sched = SchedulerOutput(new, CachedRequestData(), {"r0": 3, "r1": 3, "r2": 300}, 306, set())
     update_states(states, sched, lambda seed: None)
     batch.sync(states, sched)
@@ -196,16 +200,31 @@ def test_an_id_reused_by_a_new_request_gets_a_fresh_row():
 
 
 def test_sampling_metadata_select_matches_building_the_rows_directly():
-    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7, top_k=5, seed=3),
-              SamplingParams(temperature=1.0, top_p=0.9, min_tokens=4, presence_penalty=0.5,
-                             stop_token_ids=[9], logit_bias={3: 1.0}, allowed_token_ids=[1, 2, 3])]
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_k=5, seed=3),
+        SamplingParams(
+            temperature=1.0,
+            top_p=0.9,
+            min_tokens=4,
+            presence_penalty=0.5,
+            stop_token_ids=[9],
+            logit_bias={3: 1.0},
+            allowed_token_ids=[1, 2, 3],
+        ),
+    ]
     prompts, outputs = [[1, 2], [3], [4, 5, 6]], [[7], [], [8, 8]]
     gens = {1: torch.Generator().manual_seed(3)}
     md = SamplingMetadata.from_params(params, prompts, outputs, 16, "cpu", gens)
     for rows in ([2, 2, 0], [0, 0], [1, 2], [2]):
-        want = SamplingMetadata.from_params([params[r] for r in rows], [prompts[r] for r in rows],
-                                            [outputs[r] for r in rows], 16, "cpu",
-                                            {i: gens[r] for i, r in enumerate(rows) if r in gens})
+        want = SamplingMetadata.from_params(
+            [params[r] for r in rows],
+            [prompts[r] for r in rows],
+            [outputs[r] for r in rows],
+            16,
+            "cpu",
+            {i: gens[r] for i, r in enumerate(rows) if r in gens},
+        )
         got = md.select(rows)
         assert (got.all_greedy, got.all_random, got.greedy) == (want.all_greedy, want.all_random, want.greedy)
         assert got.output_token_ids == want.output_token_ids and got.logit_bias == want.logit_bias

@@ -11,8 +11,14 @@ import torch
 from pagedllm.config import EngineArgs
 from pagedllm.worker import worker as worker_mod
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.worker import (MemoryProfile, Worker, kv_cache_budget, measure_memory, profile_forward,
-                                    profile_lengths)
+from pagedllm.worker.worker import (
+    MemoryProfile,
+    Worker,
+    kv_cache_budget,
+    measure_memory,
+    profile_forward,
+    profile_lengths,
+)
 
 GiB = 1 << 30
 
@@ -31,8 +37,14 @@ class FakeCuda:
         self.allocated, self.peak, self.calls = 16 * GiB, 16 * GiB, []
 
     def install(self, monkeypatch) -> None:
-        for name in ("empty_cache", "reset_peak_memory_stats", "mem_get_info", "memory_allocated",
-                     "max_memory_allocated", "synchronize"):
+        for name in (
+            "empty_cache",
+            "reset_peak_memory_stats",
+            "mem_get_info",
+            "memory_allocated",
+            "max_memory_allocated",
+            "synchronize",
+        ):
             monkeypatch.setattr(torch.cuda, name, getattr(self, name))
 
     def empty_cache(self) -> None:
@@ -67,8 +79,14 @@ def test_measure_memory_with_patched_queries(monkeypatch):
 
 @pytest.fixture(scope="module")
 def config(llama_model_dir):
-    return EngineArgs(model=str(llama_model_dir), device="cpu", max_model_len=64, max_num_batched_tokens=150,
-                      max_num_seqs=4, gpu_memory_utilization=0.5).create_engine_config()
+    return EngineArgs(
+        model=str(llama_model_dir),
+        device="cpu",
+        max_model_len=64,
+        max_num_batched_tokens=150,
+        max_num_seqs=4,
+        gpu_memory_utilization=0.5,
+    ).create_engine_config()
 
 
 def _cuda_worker(config, monkeypatch, fake: FakeCuda) -> Worker:
@@ -91,8 +109,9 @@ def test_num_blocks_from_profiled_budget(config, monkeypatch):
 
 def test_clear_error_when_one_max_length_request_does_not_fit(config, monkeypatch):
     fake = FakeCuda()
-    fake.profile = lambda: setattr(fake, "peak", fake.allocated + 23 * GiB - worker_mod._RUNTIME_RESERVE
-                                   - worker_mod._CUDA_GRAPH_RESERVE - 1000)  # leaves 1000 bytes
+    fake.profile = lambda: setattr(
+        fake, "peak", fake.allocated + 23 * GiB - worker_mod._RUNTIME_RESERVE - worker_mod._CUDA_GRAPH_RESERVE - 1000
+    )  # leaves 1000 bytes
     worker = _cuda_worker(config, monkeypatch, fake)
     with pytest.raises(ValueError, match="--gpu-memory-utilization") as err:
         worker.determine_num_blocks()
@@ -122,8 +141,9 @@ def test_profile_forward_runs_on_cpu(config):
 def test_cuda_profiled_engine_stays_within_utilization(llama_model_dir):
     from pagedllm import LLM, SamplingParams
 
-    llm = LLM(str(llama_model_dir), device="cuda", gpu_memory_utilization=0.5, max_model_len=256,
-              max_num_batched_tokens=4096)
+    llm = LLM(
+        str(llama_model_dir), device="cuda", gpu_memory_utilization=0.5, max_model_len=256, max_num_batched_tokens=4096
+    )
     prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in range(40, 240, 8)]
     llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     free, total = torch.cuda.mem_get_info()

@@ -16,8 +16,12 @@ CUDA = torch.cuda.is_available()
 
 
 def _arrays(n: int = 5) -> dict[str, np.ndarray]:
-    return {"ids": np.arange(n, dtype=np.int64), "table": np.arange(2 * n, dtype=np.int64).reshape(2, n) + 100,
-            "empty": np.zeros(0, dtype=np.int64), "lens": np.array([7, 9])}
+    return {
+        "ids": np.arange(n, dtype=np.int64),
+        "table": np.arange(2 * n, dtype=np.int64).reshape(2, n) + 100,
+        "empty": np.zeros(0, dtype=np.int64),
+        "lens": np.array([7, 9]),
+    }
 
 
 def _assert_same(staged: dict[str, torch.Tensor], arrays: dict[str, np.ndarray]) -> None:
@@ -69,8 +73,9 @@ def _flat_case():
 def test_build_flat_batch_packed_matches_zero_copy():
     tokens, starts, block_ids = _flat_case()
     plain = build_flat_batch(tokens, starts, block_ids, 16, torch.device("cpu"))
-    packed = build_flat_batch(tokens, starts, block_ids, 16, torch.device("cpu"),
-                              stager=HostStager("cpu", pack=True, pin=False))
+    packed = build_flat_batch(
+        tokens, starts, block_ids, 16, torch.device("cpu"), stager=HostStager("cpu", pack=True, pin=False)
+    )
     for a, b in zip(plain[:2], packed[:2]):
         assert torch.equal(a, b)
     for field in ("query_start_loc", "seq_lens", "block_table", "slot_mapping"):

@@ -43,17 +43,26 @@ def _dummy_model(args: argparse.Namespace) -> int:
 
 def add_bench_parser(sub: Any) -> None:
     """Register ``bench`` and its subcommands on the top-level CLI's subparsers."""
-    bench = sub.add_parser("bench", help="benchmarks (throughput, latency, serve, prefix)",
-                           description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    bench_sub = bench.add_subparsers(dest="bench_command", required=True,
-                                     metavar="{" + ",".join([*COMMANDS, "dummy-model"]) + "}")
+    bench = sub.add_parser(
+        "bench",
+        help="benchmarks (throughput, latency, serve, prefix)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench_sub = bench.add_subparsers(
+        dest="bench_command", required=True, metavar="{" + ",".join([*COMMANDS, "dummy-model"]) + "}"
+    )
     for name, (module, help_text) in COMMANDS.items():
         mod = _module(module)
-        p = bench_sub.add_parser(name, help=help_text, description=mod.__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+        p = bench_sub.add_parser(
+            name, help=help_text, description=mod.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         mod.add_args(p)
         p.set_defaults(func=_run)
-    dummy = bench_sub.add_parser("dummy-model", help="write the default benchmark model's config dir",
-                                 description="Write config.json (SmolLM-135M shape) + tokenizer files to PATH.")
+    dummy = bench_sub.add_parser(
+        "dummy-model",
+        help="write the default benchmark model's config dir",
+        description="Write config.json (SmolLM-135M shape) + tokenizer files to PATH.",
+    )
     dummy.add_argument("path")
     dummy.set_defaults(func=_dummy_model)

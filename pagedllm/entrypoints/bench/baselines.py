@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -82,7 +83,7 @@ def run_padded_batches(model: Any, requests: Sequence[BenchRequest], batch_size:
     generated = 0
     with torch.inference_mode():
         for i in range(0, len(requests), batch_size):
-            batch = requests[i:i + batch_size]
+            batch = requests[i : i + batch_size]
             ids, mask = left_pad([r.prompt_token_ids for r in batch], pad_id)
             max_len = max(r.output_len for r in batch)
             out = _generate(model, ids, mask, max_len)
@@ -98,28 +99,37 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tenso
     mask = torch.zeros((len(prompts), width), dtype=torch.long)
     for row, prompt in enumerate(prompts):
         if prompt:
-            ids[row, width - len(prompt):] = torch.tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+            mask[row, width - len(prompt) :] = 1
     return ids, mask
 
 
 def _generate(model: Any, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
     ids, mask = ids.to(model.device), mask.to(model.device)
-    return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                          do_sample=False, eos_token_id=None)
+    return model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+    )
 
 
 def _check_lengths(out: torch.Tensor, prompt_width: int, expected: list[int]) -> int:
     """Every row must hold exactly its expected new tokens; returns the number generated."""
     produced = out.shape[1] - prompt_width
     if out.shape[0] != len(expected) or any(produced != e for e in expected):
-        raise RuntimeError(f"HF generate produced {produced} new tokens per row for {out.shape[0]} rows, "
-                           f"expected {expected}: EOS was not disabled")
+        raise RuntimeError(
+            f"HF generate produced {produced} new tokens per row for {out.shape[0]} rows, "
+            f"expected {expected}: EOS was not disabled"
+        )
     return produced * out.shape[0]
 
 
-def decode_step_seconds(model: Any, batch: int, prompt_len: int, warmup: int, steps: int,
-                        vocab_size: int, seed: int) -> list[float]:
+def decode_step_seconds(
+    model: Any, batch: int, prompt_len: int, warmup: int, steps: int, vocab_size: int, seed: int
+) -> list[float]:
     """Seconds per greedy decode step of a plain HF forward loop with a ``DynamicCache`` (what
     ``generate`` runs, minus its bookkeeping) at ``batch`` sequences of ``prompt_len`` tokens."""
     gen = torch.Generator().manual_seed(seed)

@@ -10,19 +10,34 @@ import json
 import platform
 import shutil
 import tempfile
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from pagedllm.config.choices import DEVICES, LOAD_FORMATS, QUANTIZATION_METHODS, canonical_dtype
-from pagedllm.entrypoints.bench.datasets import (BenchRequest, long_prompt_mix_requests, prefix_sharing_requests,
-                                                 random_requests)
+from pagedllm.entrypoints.bench.datasets import (
+    BenchRequest,
+    long_prompt_mix_requests,
+    prefix_sharing_requests,
+    random_requests,
+)
 
 # SmolLM-135M's shape; token ids 0..2 match the demo tokenizer copied next to it.
 SMOLLM_135M_SHAPE: dict[str, Any] = dict(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-    num_key_value_heads=3, head_dim=64, max_position_embeddings=2048, tie_word_embeddings=True,
-    rms_norm_eps=1e-5, bos_token_id=0, eos_token_id=1, pad_token_id=2,
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    bos_token_id=0,
+    eos_token_id=1,
+    pad_token_id=2,
 )
 DUMMY_MODEL_DESC = "dummy SmolLM-135M shape (random weights)"
 _NOT_TOKENIZER_FILES = {"config.json", "generation_config.json", "model.safetensors", "README.md"}
@@ -37,8 +52,12 @@ def write_dummy_model_dir(path: Path) -> Path:
     from pagedllm.demo.demo_model import ensure_demo_model
 
     path.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(**SMOLLM_135M_SHAPE, architectures=["LlamaForCausalLM"], dtype="float32",
-                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = LlamaConfig(
+        **SMOLLM_135M_SHAPE,
+        architectures=["LlamaForCausalLM"],
+        dtype="float32",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
     config.save_pretrained(str(path))
     for f in Path(ensure_demo_model()).iterdir():
         if f.is_file() and f.name not in _NOT_TOKENIZER_FILES:
@@ -72,19 +91,28 @@ def bench_model(args: argparse.Namespace) -> Iterator[BenchModel]:
     """``--model DIR`` as given, else a temp dir with the dummy SmolLM-135M shape (removed after)."""
     if args.model is not None:
         load_format = args.load_format or "auto"
-        yield BenchModel(Path(args.model), load_format, load_format == "dummy",
-                         f"{args.model} ({args.dtype}, load_format={load_format})")
+        yield BenchModel(
+            Path(args.model),
+            load_format,
+            load_format == "dummy",
+            f"{args.model} ({args.dtype}, load_format={load_format})",
+        )
         return
     with tempfile.TemporaryDirectory(prefix="pagedllm-bench-") as tmp:
-        yield BenchModel(write_dummy_model_dir(Path(tmp)), args.load_format or "dummy", True,
-                         f"{DUMMY_MODEL_DESC}, {args.dtype}")
+        yield BenchModel(
+            write_dummy_model_dir(Path(tmp)), args.load_format or "dummy", True, f"{DUMMY_MODEL_DESC}, {args.dtype}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- flags
 def add_common_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="HF model dir; default: dummy-weight SmolLM-135M shape")
-    p.add_argument("--load-format", default=None, choices=LOAD_FORMATS,
-                   help="default: dummy for the default model, auto for --model")
+    p.add_argument(
+        "--load-format",
+        default=None,
+        choices=LOAD_FORMATS,
+        help="default: dummy for the default model, auto for --model",
+    )
     p.add_argument("--dtype", default="float32", help="model dtype (default float32: fastest on CPU)")
     p.add_argument("--device", default="cpu", choices=DEVICES)
     p.add_argument("--seed", type=int, default=0, help="seeds requests, dummy weights and baselines")
@@ -97,15 +125,23 @@ def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None
     g.add_argument("--max-num-batched-tokens", type=int, default=None)
     g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (CPU); engine default if unset")
     g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--quantization", default=None, choices=QUANTIZATION_METHODS,
-                   help="weight-only int8 linears (CPU); the floors still count float32 weight bytes")
+    g.add_argument(
+        "--quantization",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="weight-only int8 linears (CPU); the floors still count float32 weight bytes",
+    )
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
 
 
 def add_limits_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("machine limits (measured in the same run)")
-    g.add_argument("--bandwidth", choices=("copy", "read"), default="copy",
-                   help="which measured bandwidth the floors use (default copy: bytes read + written)")
+    g.add_argument(
+        "--bandwidth",
+        choices=("copy", "read"),
+        default="copy",
+        help="which measured bandwidth the floors use (default copy: bytes read + written)",
+    )
     g.add_argument("--limits-copy-mib", type=int, default=512, help="size of the bandwidth probe's tensor")
     g.add_argument("--limits-gemm-n", type=int, default=2048, help="size of the GEMM probe's square matrices")
 
@@ -117,14 +153,21 @@ def measure_limits(args: argparse.Namespace) -> Any:
     from pagedllm.entrypoints.bench import machine
 
     name = canonical_dtype(args.dtype)
-    return machine.measure_limits(getattr(torch, name), args.limits_copy_mib, args.limits_gemm_n,
-                                  bandwidth=args.bandwidth)
+    return machine.measure_limits(
+        getattr(torch, name), args.limits_copy_mib, args.limits_gemm_n, bandwidth=args.bandwidth
+    )
 
 
 def engine_kwargs(args: argparse.Namespace, model: BenchModel, **overrides: Any) -> dict[str, Any]:
     """Keyword arguments for ``LLM`` / ``EngineArgs`` from the common and engine flags."""
-    kwargs: dict[str, Any] = dict(model=str(model.path), load_format=model.load_format, dtype=args.dtype,
-                                  seed=args.seed, device=args.device, max_num_seqs=args.max_num_seqs)
+    kwargs: dict[str, Any] = dict(
+        model=str(model.path),
+        load_format=model.load_format,
+        dtype=args.dtype,
+        seed=args.seed,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+    )
     for name in ("max_num_batched_tokens", "kv_cache_memory", "max_model_len", "quantization"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
@@ -134,15 +177,25 @@ def engine_kwargs(args: argparse.Namespace, model: BenchModel, **overrides: Any)
     return kwargs
 
 
-def add_dataset_args(p: argparse.ArgumentParser, default: str = "random",
-                     choices: Sequence[str] = ("random", "prefix"), num_requests: int = 256,
-                     prompt_len: tuple[int, int] = (32, 512), output_len: tuple[int, int] = (16, 256)) -> None:
+def add_dataset_args(
+    p: argparse.ArgumentParser,
+    default: str = "random",
+    choices: Sequence[str] = ("random", "prefix"),
+    num_requests: int = 256,
+    prompt_len: tuple[int, int] = (32, 512),
+    output_len: tuple[int, int] = (16, 256),
+) -> None:
     g = p.add_argument_group("requests (seeded)")
     g.add_argument("--dataset", default=default, choices=tuple(choices))
     g.add_argument("--num-requests", type=int, default=num_requests)
-    g.add_argument("--prompt-len", type=int, nargs=2, default=list(prompt_len), metavar=("MIN", "MAX"),
-                   help="random: prompt lengths; prefix: per-request suffix lengths; "
-                        "long-prompts-mix: the short prompts")
+    g.add_argument(
+        "--prompt-len",
+        type=int,
+        nargs=2,
+        default=list(prompt_len),
+        metavar=("MIN", "MAX"),
+        help="random: prompt lengths; prefix: per-request suffix lengths; long-prompts-mix: the short prompts",
+    )
     g.add_argument("--output-len", type=int, nargs=2, default=list(output_len), metavar=("MIN", "MAX"))
     g.add_argument("--prefix-len", type=int, default=512, help="prefix: shared prefix tokens")
     g.add_argument("--num-prefixes", type=int, default=1, help="prefix: distinct shared prefixes")
@@ -156,18 +209,28 @@ def make_requests(args: argparse.Namespace, vocab_size: int, max_len: int) -> li
     """The seeded request set the dataset flags describe; checked against the model's context."""
     out = tuple(args.output_len)
     if args.dataset == "prefix":
-        reqs = prefix_sharing_requests(args.num_requests, args.prefix_len, tuple(args.prompt_len), out,
-                                       vocab_size, args.seed, args.num_prefixes)
+        reqs = prefix_sharing_requests(
+            args.num_requests, args.prefix_len, tuple(args.prompt_len), out, vocab_size, args.seed, args.num_prefixes
+        )
     elif args.dataset == "long-prompts-mix":
-        reqs = long_prompt_mix_requests(args.num_requests, tuple(args.prompt_len), tuple(args.long_prompt_len),
-                                        out, tuple(args.long_output_len), args.long_fraction, vocab_size,
-                                        args.seed)
+        reqs = long_prompt_mix_requests(
+            args.num_requests,
+            tuple(args.prompt_len),
+            tuple(args.long_prompt_len),
+            out,
+            tuple(args.long_output_len),
+            args.long_fraction,
+            vocab_size,
+            args.seed,
+        )
     else:
         reqs = random_requests(args.num_requests, tuple(args.prompt_len), out, vocab_size, args.seed)
     longest = max(len(r.prompt_token_ids) + r.output_len for r in reqs)
     if longest > max_len:
-        raise SystemExit(f"a request needs {longest} tokens (prompt + output) but the model's context is "
-                         f"{max_len}; lower the length flags")
+        raise SystemExit(
+            f"a request needs {longest} tokens (prompt + output) but the model's context is "
+            f"{max_len}; lower the length flags"
+        )
     return reqs
 
 
@@ -175,8 +238,13 @@ def make_requests(args: argparse.Namespace, vocab_size: int, max_len: int) -> li
 def environment() -> dict[str, Any]:
     import torch
 
-    return {"date": now(), "torch": torch.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "cpu": cpu_model()}
+    return {
+        "date": now(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": cpu_model(),
+    }
 
 
 def cpu_model() -> str:
@@ -217,8 +285,12 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     if not values:
         return {"mean": 0.0, "median": 0.0, "p90": 0.0, "p99": 0.0}
     arr = np.asarray(values, dtype=float)
-    return {"mean": float(arr.mean()), "median": float(np.median(arr)),
-            "p90": float(np.percentile(arr, 90)), "p99": float(np.percentile(arr, 99))}
+    return {
+        "mean": float(arr.mean()),
+        "median": float(np.median(arr)),
+        "p90": float(np.percentile(arr, 90)),
+        "p99": float(np.percentile(arr, 99)),
+    }
 
 
 def emit(report: dict[str, Any], args: argparse.Namespace) -> None:

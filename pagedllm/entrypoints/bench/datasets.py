@@ -8,7 +8,8 @@ The same arguments always give the same requests (``random.Random(seed)``, no gl
 from __future__ import annotations
 
 import random
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 MIN_TOKEN_ID = 10
 LenRange = tuple[int, int]  # inclusive (low, high)
@@ -21,8 +22,9 @@ class BenchRequest(NamedTuple):
     output_len: int
 
 
-def random_requests(n: int, prompt_len_range: LenRange, output_len_range: LenRange,
-                    vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+def random_requests(
+    n: int, prompt_len_range: LenRange, output_len_range: LenRange, vocab_size: int, seed: int = 0
+) -> list[BenchRequest]:
     """``n`` requests with prompt and output lengths uniform in the inclusive ranges."""
     _check_common(n, output_len_range, vocab_size)
     _check_range("prompt_len_range", prompt_len_range, minimum=1)
@@ -35,8 +37,15 @@ def random_requests(n: int, prompt_len_range: LenRange, output_len_range: LenRan
     return requests
 
 
-def prefix_sharing_requests(n: int, prefix_len: int, suffix_len_range: LenRange, output_len_range: LenRange,
-                            vocab_size: int, seed: int = 0, num_prefixes: int = 1) -> list[BenchRequest]:
+def prefix_sharing_requests(
+    n: int,
+    prefix_len: int,
+    suffix_len_range: LenRange,
+    output_len_range: LenRange,
+    vocab_size: int,
+    seed: int = 0,
+    num_prefixes: int = 1,
+) -> list[BenchRequest]:
     """``n`` requests, each one of ``num_prefixes`` shared prefixes of ``prefix_len`` tokens (request
     ``i`` gets prefix ``i % num_prefixes``) followed by its own random suffix."""
     _check_common(n, output_len_range, vocab_size)
@@ -54,9 +63,16 @@ def prefix_sharing_requests(n: int, prefix_len: int, suffix_len_range: LenRange,
     return requests
 
 
-def long_prompt_mix_requests(n: int, short_prompt_range: LenRange, long_prompt_range: LenRange,
-                             output_len_range: LenRange, long_output_range: LenRange, long_fraction: float,
-                             vocab_size: int, seed: int = 0) -> list[BenchRequest]:
+def long_prompt_mix_requests(
+    n: int,
+    short_prompt_range: LenRange,
+    long_prompt_range: LenRange,
+    output_len_range: LenRange,
+    long_output_range: LenRange,
+    long_fraction: float,
+    vocab_size: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
     """Mostly short-prompt, long-output chats with a long-prompt request every ``1 / long_fraction``
     requests (evenly spread, so long prompts keep arriving while the others decode)."""
     _check_common(n, output_len_range, vocab_size)
@@ -69,8 +85,9 @@ def long_prompt_mix_requests(n: int, short_prompt_range: LenRange, long_prompt_r
     requests = []
     for i in range(n):
         is_long = long_fraction > 0 and int((i + 1) * long_fraction) > int(i * long_fraction)
-        prompt_range, out_range = ((long_prompt_range, long_output_range) if is_long
-                                   else (short_prompt_range, output_len_range))
+        prompt_range, out_range = (
+            (long_prompt_range, long_output_range) if is_long else (short_prompt_range, output_len_range)
+        )
         prompt = _random_ids(rng, rng.randint(*prompt_range), vocab_size)
         requests.append(BenchRequest(prompt, rng.randint(*out_range)))
     return requests

@@ -6,7 +6,8 @@ the real code path."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 class Stopwatch:
@@ -31,6 +32,7 @@ class Stopwatch:
             finally:
                 self.seconds += time.perf_counter() - start
                 self.calls += 1
+
         return timed
 
 
@@ -55,9 +57,10 @@ def model_runner(engine: Any) -> Any:
     try:
         return engine.engine_core.executor.worker.model_runner
     except AttributeError as exc:
-        raise RuntimeError("bench latency expects LLMEngine.engine_core.executor.worker.model_runner; "
-                           f"the engine layout changed ({exc}): update pagedllm/entrypoints/bench/engine_probe.py"
-                           ) from exc
+        raise RuntimeError(
+            "bench latency expects LLMEngine.engine_core.executor.worker.model_runner; "
+            f"the engine layout changed ({exc}): update pagedllm/entrypoints/bench/engine_probe.py"
+        ) from exc
 
 
 class EngineProbe:

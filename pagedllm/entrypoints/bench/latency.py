@@ -36,9 +36,14 @@ class Measurement:
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out.update(tokens_per_s=self.tokens / self.seconds, gbps=self.bytes / self.seconds / 1e9,
-                   gflops=self.flops / self.seconds / 1e9, floor_tokens_per_s=self.tokens / self.floor_s,
-                   x_floor=self.floor_s / self.seconds, engine_overhead=self.overhead())
+        out.update(
+            tokens_per_s=self.tokens / self.seconds,
+            gbps=self.bytes / self.seconds / 1e9,
+            gflops=self.flops / self.seconds / 1e9,
+            floor_tokens_per_s=self.tokens / self.floor_s,
+            x_floor=self.floor_s / self.seconds,
+            engine_overhead=self.overhead(),
+        )
         return out
 
     def overhead(self) -> float | None:
@@ -69,11 +74,14 @@ def _make_engine(args: argparse.Namespace, model: common.BenchModel, cost: machi
     decode_ctx = args.decode_prompt_len + args.warmup_steps + args.decode_steps + 8
     max_len = max(args.prefill_len, decode_ctx) + 16
     tokens = max(args.prefill_len, max(args.batch_sizes) * decode_ctx) + 64 * 16
-    overrides: dict[str, Any] = dict(enable_prefix_caching=False, max_num_seqs=max(args.batch_sizes),
-                                     max_model_len=args.max_model_len or max_len,
-                                     max_num_batched_tokens=max(args.max_num_batched_tokens or 2048, max_len))
+    overrides: dict[str, Any] = dict(
+        enable_prefix_caching=False,
+        max_num_seqs=max(args.batch_sizes),
+        max_model_len=args.max_model_len or max_len,
+        max_num_batched_tokens=max(args.max_num_batched_tokens or 2048, max_len),
+    )
     if args.kv_cache_memory is None:
-        overrides["kv_cache_memory"] = max(1.25 * tokens * cost.kv_bytes_per_token / 2 ** 30, 0.0625)
+        overrides["kv_cache_memory"] = max(1.25 * tokens * cost.kv_bytes_per_token / 2**30, 0.0625)
     return LLMEngine.from_engine_args(EngineArgs(**common.engine_kwargs(args, model, **overrides)))
 
 
@@ -95,9 +103,16 @@ def _step_until_first_tokens(engine: Any, ids: list[str]) -> None:
                 pending.discard(out.request_id)
 
 
-def measure_decode(engine: Any, probe: EngineProbe, args: argparse.Namespace, batch: int,
-                   cost: machine.ModelCost, limits: machine.MachineLimits, rng: random.Random,
-                   vocab: int) -> Measurement:
+def measure_decode(
+    engine: Any,
+    probe: EngineProbe,
+    args: argparse.Namespace,
+    batch: int,
+    cost: machine.ModelCost,
+    limits: machine.MachineLimits,
+    rng: random.Random,
+    vocab: int,
+) -> Measurement:
     total = args.warmup_steps + args.decode_steps + 4
     ids = [_add(engine, rng, vocab, args.decode_prompt_len, total) for _ in range(batch)]
     _step_until_first_tokens(engine, ids)
@@ -116,13 +131,29 @@ def measure_decode(engine: Any, probe: EngineProbe, args: argparse.Namespace, ba
     engine.abort_request(ids)
     ctx = args.decode_prompt_len + 1 + args.warmup_steps + args.decode_steps // 2
     nbytes, flops = machine.decode_cost(cost, [ctx] * batch)
-    return Measurement("pagedllm", "decode", batch, batch, statistics.median(steps), nbytes, flops,
-                       machine.floor_seconds(limits, nbytes, flops), statistics.median(core),
-                       statistics.median(model) if probe.model.calls else None)
+    return Measurement(
+        "pagedllm",
+        "decode",
+        batch,
+        batch,
+        statistics.median(steps),
+        nbytes,
+        flops,
+        machine.floor_seconds(limits, nbytes, flops),
+        statistics.median(core),
+        statistics.median(model) if probe.model.calls else None,
+    )
 
 
-def measure_prefill(engine: Any, probe: EngineProbe, args: argparse.Namespace, cost: machine.ModelCost,
-                    limits: machine.MachineLimits, rng: random.Random, vocab: int) -> Measurement:
+def measure_prefill(
+    engine: Any,
+    probe: EngineProbe,
+    args: argparse.Namespace,
+    cost: machine.ModelCost,
+    limits: machine.MachineLimits,
+    rng: random.Random,
+    vocab: int,
+) -> Measurement:
     times, core, model = [], 0.0, 0.0
     for i in range(args.prefill_iters + 1):
         _add(engine, rng, vocab, args.prefill_len, 1)
@@ -136,12 +167,27 @@ def measure_prefill(engine: Any, probe: EngineProbe, args: argparse.Namespace, c
     n = args.prefill_iters
     flops = machine.prefill_flops(cost, args.prefill_len)
     nbytes = cost.weight_bytes + cost.kv_bytes_per_token * args.prefill_len
-    return Measurement("pagedllm", "prefill", 1, args.prefill_len, statistics.median(times), nbytes, flops,
-                       machine.floor_seconds(limits, nbytes, flops), core / n, model / n)
+    return Measurement(
+        "pagedllm",
+        "prefill",
+        1,
+        args.prefill_len,
+        statistics.median(times),
+        nbytes,
+        flops,
+        machine.floor_seconds(limits, nbytes, flops),
+        core / n,
+        model / n,
+    )
 
 
-def run_pagedllm(args: argparse.Namespace, model: common.BenchModel, cost: machine.ModelCost,
-                 limits: machine.MachineLimits, vocab: int) -> list[Measurement]:
+def run_pagedllm(
+    args: argparse.Namespace,
+    model: common.BenchModel,
+    cost: machine.ModelCost,
+    limits: machine.MachineLimits,
+    vocab: int,
+) -> list[Measurement]:
     engine = _make_engine(args, model, cost)
     probe = EngineProbe(engine, args.device)
     rng = random.Random(args.seed)
@@ -154,36 +200,55 @@ def run_pagedllm(args: argparse.Namespace, model: common.BenchModel, cost: machi
 
 
 # ---------------------------------------------------------------------------------------------- baselines
-def baseline_measurement(system: str, figure: str, batch: int, tokens: int, seconds: float, ctx: int,
-                         cost: machine.ModelCost, limits: machine.MachineLimits) -> Measurement:
+def baseline_measurement(
+    system: str,
+    figure: str,
+    batch: int,
+    tokens: int,
+    seconds: float,
+    ctx: int,
+    cost: machine.ModelCost,
+    limits: machine.MachineLimits,
+) -> Measurement:
     if figure == "prefill":
         nbytes, flops = cost.weight_bytes + cost.kv_bytes_per_token * tokens, machine.prefill_flops(cost, tokens)
     else:
         nbytes, flops = machine.decode_cost(cost, [ctx] * batch)
-    return Measurement(system, figure, batch, tokens, seconds, nbytes, flops,
-                       machine.floor_seconds(limits, nbytes, flops))
+    return Measurement(
+        system, figure, batch, tokens, seconds, nbytes, flops, machine.floor_seconds(limits, nbytes, flops)
+    )
 
 
-def run_hf(args: argparse.Namespace, model: common.BenchModel, cost: machine.ModelCost,
-           limits: machine.MachineLimits, vocab: int) -> list[Measurement]:
+def run_hf(
+    args: argparse.Namespace,
+    model: common.BenchModel,
+    cost: machine.ModelCost,
+    limits: machine.MachineLimits,
+    vocab: int,
+) -> list[Measurement]:
     from pagedllm.entrypoints.bench import baselines
 
-    hf = baselines.load_hf_model(model.path, model.dummy, args.seed).to(args.device if args.device != "auto"
-                                                                        else "cpu")
+    hf = baselines.load_hf_model(model.path, model.dummy, args.seed).to(args.device if args.device != "auto" else "cpu")
     secs = baselines.prefill_seconds(hf, args.prefill_len, args.prefill_iters, vocab, args.seed)
     out = [baseline_measurement("hf", "prefill", 1, args.prefill_len, secs, 0, cost, limits)]
     ctx = args.decode_prompt_len + 1 + args.warmup_steps + args.decode_steps // 2
     for batch in args.batch_sizes:
-        times = baselines.decode_step_seconds(hf, batch, args.decode_prompt_len, args.warmup_steps,
-                                              args.decode_steps, vocab, args.seed)
+        times = baselines.decode_step_seconds(
+            hf, batch, args.decode_prompt_len, args.warmup_steps, args.decode_steps, vocab, args.seed
+        )
         out.append(baseline_measurement("hf", "decode", batch, batch, statistics.median(times), ctx, cost, limits))
     del hf
     gc.collect()
     return out
 
 
-def run_llama_cpp(args: argparse.Namespace, model: common.BenchModel, cost: machine.ModelCost,
-                  limits: machine.MachineLimits, vocab: int) -> tuple[list[Measurement], str]:
+def run_llama_cpp(
+    args: argparse.Namespace,
+    model: common.BenchModel,
+    cost: machine.ModelCost,
+    limits: machine.MachineLimits,
+    vocab: int,
+) -> tuple[list[Measurement], str]:
     from pagedllm.entrypoints.bench import llama_cpp
 
     if not llama_cpp.available():
@@ -192,8 +257,10 @@ def run_llama_cpp(args: argparse.Namespace, model: common.BenchModel, cost: mach
         timings = llama_cpp.latency(gguf_path, args, vocab)
     ctx = args.decode_prompt_len + 1 + args.warmup_steps + args.decode_steps // 2
     out = [baseline_measurement("llama.cpp", "prefill", 1, args.prefill_len, timings.prefill_s, 0, cost, limits)]
-    out += [baseline_measurement("llama.cpp", "decode", b, b, s, ctx, cost, limits)
-            for b, s in sorted(timings.decode_s.items())]
+    out += [
+        baseline_measurement("llama.cpp", "decode", b, b, s, ctx, cost, limits)
+        for b, s in sorted(timings.decode_s.items())
+    ]
     return out, timings.note
 
 
@@ -204,9 +271,20 @@ def format_results(results: list[Measurement]) -> str:
     for m in results:
         d = m.to_dict()
         ovh = d["engine_overhead"]
-        rows.append((m.system, m.figure if m.figure == "decode" else f"prefill {m.tokens}", m.batch,
-                     m.seconds * 1e3, d["tokens_per_s"], d["gbps"], d["gflops"], d["floor_tokens_per_s"],
-                     d["x_floor"], None if ovh is None else f"{100 * ovh:.1f}%"))
+        rows.append(
+            (
+                m.system,
+                m.figure if m.figure == "decode" else f"prefill {m.tokens}",
+                m.batch,
+                m.seconds * 1e3,
+                d["tokens_per_s"],
+                d["gbps"],
+                d["gflops"],
+                d["floor_tokens_per_s"],
+                d["x_floor"],
+                None if ovh is None else f"{100 * ovh:.1f}%",
+            )
+        )
     return common.format_table(header, rows)
 
 
@@ -230,7 +308,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     print(format_results(results))
     for note in notes:
         print(f"  {note}")
-    return {"benchmark": "latency", "model": model.desc, "env": env, "args": common.args_dict(args),
-            "machine": limits.to_dict(), "model_cost": {**asdict(cost), "weight_bytes": cost.weight_bytes,
-                                                        "params": cost.params},
-            "results": [m.to_dict() for m in results], "notes": notes}
+    return {
+        "benchmark": "latency",
+        "model": model.desc,
+        "env": env,
+        "args": common.args_dict(args),
+        "machine": limits.to_dict(),
+        "model_cost": {**asdict(cost), "weight_bytes": cost.weight_bytes, "params": cost.params},
+        "results": [m.to_dict() for m in results],
+        "notes": notes,
+    }

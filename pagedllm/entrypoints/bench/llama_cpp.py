@@ -19,9 +19,10 @@ import statistics
 import tempfile
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from pagedllm.entrypoints.bench.common import BenchModel, read_hf_config
 from pagedllm.entrypoints.bench.datasets import BenchRequest
@@ -36,8 +37,10 @@ def available() -> bool:
 
 def unavailable_reason() -> str:
     missing = [m for m in ("llama_cpp", "gguf") if importlib.util.find_spec(m) is None]
-    return (f"skipped: {', '.join(missing)} not installed "
-            "(pip install llama-cpp-python gguf; llama-cpp-python compiles llama.cpp, a few minutes)")
+    return (
+        f"skipped: {', '.join(missing)} not installed "
+        "(pip install llama-cpp-python gguf; llama-cpp-python compiles llama.cpp, a few minutes)"
+    )
 
 
 @contextlib.contextmanager
@@ -128,7 +131,7 @@ def prompt_entries(prompt: Sequence[int], seq: int) -> list[Entry]:
 
 
 def decode_in_chunks(llm: LlamaCpp, entries: list[Entry]) -> float:
-    return sum(llm.decode(entries[i:i + llm.n_batch]) for i in range(0, len(entries), llm.n_batch))
+    return sum(llm.decode(entries[i : i + llm.n_batch]) for i in range(0, len(entries), llm.n_batch))
 
 
 # ---------------------------------------------------------------------------------------------- latency
@@ -164,14 +167,15 @@ def decode_latency(path: Path, batch: int, args: argparse.Namespace, vocab: int)
     ctx = args.decode_prompt_len + steps + 8
     llm = LlamaCpp(path, batch, ctx, max(512, batch))
     try:
-        entries = [e for s in range(batch) for e in prompt_entries(_prompt(args.seed + s, args.decode_prompt_len,
-                                                                           vocab), s)]
+        entries = [
+            e for s in range(batch) for e in prompt_entries(_prompt(args.seed + s, args.decode_prompt_len, vocab), s)
+        ]
         decode_in_chunks(llm, entries)
         times = []
         for step in range(steps):
             pos = args.decode_prompt_len + step
             times.append(llm.decode([(100 + s, pos, s, True) for s in range(batch)]))
-        return statistics.median(times[args.warmup_steps:])
+        return statistics.median(times[args.warmup_steps :])
     finally:
         llm.close()
 
@@ -180,8 +184,7 @@ def latency(path: Path, args: argparse.Namespace, vocab: int) -> LatencyTimings:
     timings = LatencyTimings(prefill_latency(path, args.prefill_len, args.prefill_iters, vocab, args.seed))
     for batch in args.batch_sizes:
         timings.decode_s[batch] = decode_latency(path, batch, args, vocab)
-    timings.note = ("f32 GGUF, default KV type (f16), batch API with one sequence per slot; "
-                    "only llama_decode is timed")
+    timings.note = "f32 GGUF, default KV type (f16), batch API with one sequence per slot; only llama_decode is timed"
     return timings
 
 

@@ -9,8 +9,9 @@ ops on this machine, so "achieved / floor" is comparable across machines and run
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any, Callable
+from typing import Any
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2}
 
@@ -40,8 +41,9 @@ def _best_seconds(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def measure_limits(dtype: Any = None, copy_mib: int = 512, gemm_n: int = 2048,
-                   repeats: int = 5, bandwidth: str = "copy") -> MachineLimits:
+def measure_limits(
+    dtype: Any = None, copy_mib: int = 512, gemm_n: int = 2048, repeats: int = 5, bandwidth: str = "copy"
+) -> MachineLimits:
     """Best of ``repeats``: the floor is what the machine *can* do, not what it did on average.
     ``dtype`` (a torch dtype, default float32) is the GEMM's."""
     import torch
@@ -50,8 +52,9 @@ def measure_limits(dtype: Any = None, copy_mib: int = 512, gemm_n: int = 2048,
     a = torch.randn(gemm_n, gemm_n).to(dtype or torch.float32)
     b = torch.randn(gemm_n, gemm_n).to(dtype or torch.float32)
     mm_s = _best_seconds(lambda: torch.mm(a, b), repeats)
-    return MachineLimits(copy_gbps=copy_gbps, read_gbps=read_gbps, gemm_gflops=2 * gemm_n ** 3 / mm_s / 1e9,
-                         bandwidth=bandwidth)
+    return MachineLimits(
+        copy_gbps=copy_gbps, read_gbps=read_gbps, gemm_gflops=2 * gemm_n**3 / mm_s / 1e9, bandwidth=bandwidth
+    )
 
 
 def _bandwidths(copy_mib: int, repeats: int) -> tuple[float, float]:
@@ -97,9 +100,14 @@ def model_cost(config: dict[str, Any], dtype: str) -> ModelCost:
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if config.get("attention_bias") else 0)
     mlp = 3 * h * inter
     nbytes = _DTYPE_BYTES.get(dtype, 4)
-    return ModelCost(layer_params=layers * (attn + mlp), lm_head_params=config["vocab_size"] * h,
-                     norm_params=(2 * layers + 1) * h, dtype_bytes=nbytes,
-                     kv_bytes_per_token=2 * layers * kv * nbytes, attn_flops_per_pair=4 * layers * q)
+    return ModelCost(
+        layer_params=layers * (attn + mlp),
+        lm_head_params=config["vocab_size"] * h,
+        norm_params=(2 * layers + 1) * h,
+        dtype_bytes=nbytes,
+        kv_bytes_per_token=2 * layers * kv * nbytes,
+        attn_flops_per_pair=4 * layers * q,
+    )
 
 
 def decode_cost(cost: ModelCost, context_lens: list[int]) -> tuple[int, int]:
@@ -121,8 +129,9 @@ def floor_seconds(limits: MachineLimits, nbytes: int, flops: int) -> float:
     return max(nbytes / (limits.floor_gbps * 1e9), flops / (limits.gemm_gflops * 1e9))
 
 
-def workload_floor_seconds(cost: ModelCost, limits: MachineLimits, prompt_lens: list[int],
-                           output_lens: list[int]) -> float:
+def workload_floor_seconds(
+    cost: ModelCost, limits: MachineLimits, prompt_lens: list[int], output_lens: list[int]
+) -> float:
     """Ideal time for a batch of requests all running at once: every prompt prefilled at the GEMM
     rate, then decode step k (k >= 1) over the requests still generating, each step at its floor."""
     prefill = sum(prefill_flops(cost, p) for p in prompt_lens) / (limits.gemm_gflops * 1e9)
@@ -134,6 +143,8 @@ def workload_floor_seconds(cost: ModelCost, limits: MachineLimits, prompt_lens: 
 
 
 def describe(limits: MachineLimits, cost: ModelCost) -> str:
-    return (f"machine: copy {limits.copy_gbps:.1f} GB/s (read+write), read {limits.read_gbps:.1f} GB/s, "
-            f"GEMM {limits.gemm_gflops:.0f} GFLOP/s; floors use the {limits.bandwidth} bandwidth. "
-            f"model: {cost.params / 1e6:.1f} M matmul params, {cost.weight_bytes / 1e6:.0f} MB read per decode step")
+    return (
+        f"machine: copy {limits.copy_gbps:.1f} GB/s (read+write), read {limits.read_gbps:.1f} GB/s, "
+        f"GEMM {limits.gemm_gflops:.0f} GFLOP/s; floors use the {limits.bandwidth} bandwidth. "
+        f"model: {cost.params / 1e6:.1f} M matmul params, {cost.weight_bytes / 1e6:.0f} MB read per decode step"
+    )

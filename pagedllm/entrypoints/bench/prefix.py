@@ -26,8 +26,9 @@ from pagedllm.entrypoints.bench.datasets import BenchRequest, random_requests
 def add_args(p: argparse.ArgumentParser) -> None:
     common.add_common_args(p)
     common.add_engine_args(p)
-    common.add_dataset_args(p, default="prefix", choices=("prefix",), num_requests=64, prompt_len=(16, 64),
-                            output_len=(16, 32))
+    common.add_dataset_args(
+        p, default="prefix", choices=("prefix",), num_requests=64, prompt_len=(16, 64), output_len=(16, 32)
+    )
     p.add_argument("--wave-size", type=int, default=8, help="requests added at once (default 8)")
     p.add_argument("--cached-prefix-len", type=int, default=1024, help="prefix tokens of the TTFT probe")
     p.add_argument("--probe-suffix-len", type=int, default=32, help="fresh tokens after the probe's prefix")
@@ -69,15 +70,20 @@ def run_workload(engine: Any, requests: list[BenchRequest], wave: int) -> dict[s
     cached: dict[str, int] = {}
     start = time.perf_counter()
     for i in range(0, len(requests), wave):
-        for r in requests[i:i + wave]:
+        for r in requests[i : i + wave]:
             added[_add(engine, r.prompt_token_ids, r.output_len)] = time.perf_counter()
         _drain(engine, added, ttft, cached)
     elapsed = time.perf_counter() - start
     prompt = sum(len(r.prompt_token_ids) for r in requests)
     output = sum(r.output_len for r in requests)
-    return {"hit_rate": sum(cached.values()) / prompt, "cached_tokens": sum(cached.values()),
-            "prompt_tokens": prompt, "elapsed_s": elapsed, "output_tokens_per_s": output / elapsed,
-            "ttft_s": common.summarize(list(ttft.values()))}
+    return {
+        "hit_rate": sum(cached.values()) / prompt,
+        "cached_tokens": sum(cached.values()),
+        "prompt_tokens": prompt,
+        "elapsed_s": elapsed,
+        "output_tokens_per_s": output / elapsed,
+        "ttft_s": common.summarize(list(ttft.values())),
+    }
 
 
 def probe_prompts(args: argparse.Namespace, vocab: int) -> tuple[list[int], list[list[int]]]:
@@ -97,30 +103,56 @@ def run_probe(engine: Any, primer: list[int], probes: list[list[int]]) -> dict[s
         rid = _add(engine, prompt, 1)
         _drain(engine, {rid: time.perf_counter()}, ttft, cached)
         times.append(ttft[rid])
-    return {"ttft_s": statistics.median(times), "cached_tokens": statistics.median(list(cached.values())),
-            "prompt_tokens": len(probes[0])}
+    return {
+        "ttft_s": statistics.median(times),
+        "cached_tokens": statistics.median(list(cached.values())),
+        "prompt_tokens": len(probes[0]),
+    }
 
 
-def run_engine(args: argparse.Namespace, model: common.BenchModel, caching: bool,
-               requests: list[BenchRequest], vocab: int) -> dict[str, Any]:
+def run_engine(
+    args: argparse.Namespace, model: common.BenchModel, caching: bool, requests: list[BenchRequest], vocab: int
+) -> dict[str, Any]:
     engine = _engine(args, model, caching)
     _drain(engine, {_add(engine, list(range(10, 26)), 2): time.perf_counter()}, {}, {})  # warm-up
-    result = {"prefix_caching": caching, "workload": run_workload(engine, requests, args.wave_size),
-              "probe": run_probe(engine, *probe_prompts(args, vocab))}
+    result = {
+        "prefix_caching": caching,
+        "workload": run_workload(engine, requests, args.wave_size),
+        "probe": run_probe(engine, *probe_prompts(args, vocab)),
+    }
     del engine
     gc.collect()
     return result
 
 
 def format_results(results: list[dict[str, Any]]) -> str:
-    header = ("prefix caching", "hit rate", "TTFT mean ms", "median ms", "p90 ms", "wall s", "out tok/s",
-              "probe TTFT ms", "probe cached tok")
+    header = (
+        "prefix caching",
+        "hit rate",
+        "TTFT mean ms",
+        "median ms",
+        "p90 ms",
+        "wall s",
+        "out tok/s",
+        "probe TTFT ms",
+        "probe cached tok",
+    )
     rows = []
     for r in results:
         w, t = r["workload"], r["workload"]["ttft_s"]
-        rows.append(("on" if r["prefix_caching"] else "off", f"{100 * w['hit_rate']:.1f}%", t["mean"] * 1e3,
-                     t["median"] * 1e3, t["p90"] * 1e3, w["elapsed_s"], w["output_tokens_per_s"],
-                     r["probe"]["ttft_s"] * 1e3, r["probe"]["cached_tokens"]))
+        rows.append(
+            (
+                "on" if r["prefix_caching"] else "off",
+                f"{100 * w['hit_rate']:.1f}%",
+                t["mean"] * 1e3,
+                t["median"] * 1e3,
+                t["p90"] * 1e3,
+                w["elapsed_s"],
+                w["output_tokens_per_s"],
+                r["probe"]["ttft_s"] * 1e3,
+                r["probe"]["cached_tokens"],
+            )
+        )
     return common.format_table(header, rows)
 
 
@@ -139,9 +171,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workload_speedup = off["workload"]["ttft_s"]["mean"] / on["workload"]["ttft_s"]["mean"]
     print(f"\n{model.desc}; {common.env_line(env)}\n")
     print(format_results(results))
-    print(f"\nTTFT of a request whose {args.cached_prefix_len}-token prefix is cached: "
-          f"{on['probe']['ttft_s'] * 1e3:.1f} ms vs {off['probe']['ttft_s'] * 1e3:.1f} ms uncached "
-          f"= {speedup:.2f}x lower; workload mean TTFT {workload_speedup:.2f}x lower with caching")
-    return {"benchmark": "prefix", "model": model.desc, "env": env, "args": common.args_dict(args),
-            "results": results, "cached_prefix_ttft_speedup": speedup,
-            "workload_ttft_speedup": workload_speedup}
+    print(
+        f"\nTTFT of a request whose {args.cached_prefix_len}-token prefix is cached: "
+        f"{on['probe']['ttft_s'] * 1e3:.1f} ms vs {off['probe']['ttft_s'] * 1e3:.1f} ms uncached "
+        f"= {speedup:.2f}x lower; workload mean TTFT {workload_speedup:.2f}x lower with caching"
+    )
+    return {
+        "benchmark": "prefix",
+        "model": model.desc,
+        "env": env,
+        "args": common.args_dict(args),
+        "results": results,
+        "cached_prefix_ttft_speedup": speedup,
+        "workload_ttft_speedup": workload_speedup,
+    }

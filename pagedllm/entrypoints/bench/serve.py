@@ -47,14 +47,22 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-warmups", type=int, default=1, help="short untimed requests first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-json", default=None, metavar="PATH")
-    common.add_dataset_args(p, choices=("random", "prefix", "long-prompts-mix"), num_requests=64,
-                            prompt_len=(32, 256), output_len=(16, 256))
+    common.add_dataset_args(
+        p, choices=("random", "prefix", "long-prompts-mix"), num_requests=64, prompt_len=(32, 256), output_len=(16, 256)
+    )
 
 
 # ---------------------------------------------------------------------------------------------- client
 def _payload(model: str, request: BenchRequest) -> dict[str, Any]:
-    return {"model": model, "prompt": request.prompt_token_ids, "max_tokens": request.output_len,
-            "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    return {
+        "model": model,
+        "prompt": request.prompt_token_ids,
+        "max_tokens": request.output_len,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
 
 
 async def send(client: Any, url: str, headers: dict[str, str], model: str, request: BenchRequest) -> RequestRecord:
@@ -144,8 +152,9 @@ def served_model(args: argparse.Namespace) -> str:
         resp = httpx.get(f"{args.base_url.rstrip('/')}/v1/models", headers=headers, timeout=10)
         resp.raise_for_status()
     except httpx.HTTPError as exc:
-        raise SystemExit(f"no server answers at {args.base_url} ({exc}); start one with `pagedllm serve` "
-                         "or pass --base-url") from exc
+        raise SystemExit(
+            f"no server answers at {args.base_url} ({exc}); start one with `pagedllm serve` or pass --base-url"
+        ) from exc
     return resp.json()["data"][0]["id"]
 
 
@@ -156,28 +165,36 @@ def metrics(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     itl = [gap for r in ok for gap in r.itl]
     itl_stats = common.summarize(itl)
     return {
-        "completed": len(ok), "failed": len(records) - len(ok), "duration_s": duration,
-        "request_throughput": len(ok) / duration, "output_throughput": out_tokens / duration,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_len for r in ok)) / duration,
         "total_output_tokens": out_tokens,
         "short_outputs": sum(1 for r in ok if r.output_tokens != r.expected_output),
         "ttft_s": common.summarize([r.ttft for r in ok]),
         "tpot_s": common.summarize([(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]),
-        "itl_s": itl_stats, "e2e_s": common.summarize([r.e2e for r in ok]),
+        "itl_s": itl_stats,
+        "e2e_s": common.summarize([r.e2e for r in ok]),
         "itl_p99_over_median": itl_stats["p99"] / itl_stats["median"] if itl_stats["median"] else None,
         "errors": sorted({r.error for r in records if r.error})[:5],
     }
 
 
 def format_results(m: dict[str, Any]) -> str:
-    rows = [(name, *(m[key][s] * 1e3 for s in ("mean", "median", "p90", "p99")))
-            for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))]
+    rows = [
+        (name, *(m[key][s] * 1e3 for s in ("mean", "median", "p90", "p99")))
+        for name, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s"), ("ITL", "itl_s"), ("E2E", "e2e_s"))
+    ]
     table = common.format_table(("ms", "mean", "median", "p90", "p99"), rows)
     ratio = m["itl_p99_over_median"]
-    return (f"{table}\ncompleted {m['completed']}, failed {m['failed']} in {m['duration_s']:.2f} s: "
-            f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} output tok/s, "
-            f"{m['total_token_throughput']:.1f} total tok/s; ITL p99/median "
-            f"{'-' if ratio is None else f'{ratio:.2f}'}")
+    return (
+        f"{table}\ncompleted {m['completed']}, failed {m['failed']} in {m['duration_s']:.2f} s: "
+        f"{m['request_throughput']:.2f} req/s, {m['output_throughput']:.1f} output tok/s, "
+        f"{m['total_token_throughput']:.1f} total tok/s; ITL p99/median "
+        f"{'-' if ratio is None else f'{ratio:.2f}'}"
+    )
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -190,8 +207,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     records, duration = asyncio.run(run_requests(args, model, requests))
     m = metrics(records, duration)
     rate = "inf" if args.request_rate == float("inf") else f"{args.request_rate:g}/s"
-    print(f"\n{args.base_url} model {model}; dataset {args.dataset}, {len(requests)} requests, rate {rate}, "
-          f"max concurrency {args.max_concurrency or 'none'}; {common.environment()['date']}\n")
+    print(
+        f"\n{args.base_url} model {model}; dataset {args.dataset}, {len(requests)} requests, rate {rate}, "
+        f"max concurrency {args.max_concurrency or 'none'}; {common.environment()['date']}\n"
+    )
     print(format_results(m))
-    return {"benchmark": "serve", "base_url": args.base_url, "model": model, "date": common.now(),
-            "args": common.args_dict(args), **m}
+    return {
+        "benchmark": "serve",
+        "base_url": args.base_url,
+        "model": model,
+        "date": common.now(),
+        "args": common.args_dict(args),
+        **m,
+    }

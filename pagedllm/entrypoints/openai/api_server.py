@@ -35,15 +35,18 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     """The FastAPI app serving ``engine``; the app shuts the engine down on exit."""
     options = ServerOptions.from_args(args)
     model_config = engine.config.model_config
-    served = ServedModels(tuple(options.served_model_names), model_config.model, model_config.max_model_len,
-                          int(time.time()))
-    state = ServerState(engine, options, served, _metrics_registry(engine, served.names[0]),
-                        _load_handlers(engine, options, served))
+    served = ServedModels(
+        tuple(options.served_model_names), model_config.model, model_config.max_model_len, int(time.time())
+    )
+    state = ServerState(
+        engine, options, served, _metrics_registry(engine, served.names[0]), _load_handlers(engine, options, served)
+    )
     app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=_lifespan(state))
     app.state.server_state = state
     max_load = engine.config.scheduler_config.max_num_seqs + options.max_waiting_requests
-    app.add_middleware(ServerGate, api_keys=options.api_keys, max_load=max_load,
-                       engine_load=engine.get_num_unfinished_requests)
+    app.add_middleware(
+        ServerGate, api_keys=options.api_keys, max_load=max_load, engine_load=engine.get_num_unfinished_requests
+    )
     add_exception_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
@@ -62,8 +65,10 @@ def _metrics_registry(engine: EngineClient, model_name: str) -> Any:
 
 def _load_handlers(engine: EngineClient, options: ServerOptions, served: ServedModels) -> dict[str, Any]:
     """The endpoint handlers the generation routes delegate to (a kind missing here answers 501)."""
-    return {"chat": OpenAIServingChat(engine, served, options.chat_template, options.tool_call_parser),
-            "completion": OpenAIServingCompletion(engine, served)}
+    return {
+        "chat": OpenAIServingChat(engine, served, options.chat_template, options.tool_call_parser),
+        "completion": OpenAIServingCompletion(engine, served),
+    }
 
 
 def _lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:

@@ -73,8 +73,11 @@ class ServerGate:
             return await self.app(scope, receive, send)
         path = scope["path"]
         if self.keys and path.startswith(PROTECTED_PREFIXES) and not self._authorized(scope):
-            response = error_response("missing or invalid API key: send 'Authorization: Bearer <key>'", 401,
-                                      headers={"WWW-Authenticate": "Bearer"})
+            response = error_response(
+                "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             return await response(scope, receive, send)
         if scope["method"] != "POST" or path not in GENERATION_PATHS:
             return await self.app(scope, receive, send)
@@ -88,7 +91,10 @@ class ServerGate:
         if self.load() >= self.max_load:
             response = error_response(
                 f"the server is overloaded ({self.load()} requests in flight, limit {self.max_load}); "
-                f"retry after {RETRY_AFTER_S} s", 503, headers={"Retry-After": str(RETRY_AFTER_S)})
+                f"retry after {RETRY_AFTER_S} s",
+                503,
+                headers={"Retry-After": str(RETRY_AFTER_S)},
+            )
             return await response(scope, receive, send)
         self.in_flight += 1
         try:

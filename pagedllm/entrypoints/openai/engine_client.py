@@ -36,14 +36,19 @@ class EngineClient(Protocol):
         """What the KV cache holds (``summary``, ``startup_seconds``), for the start-up banner."""
         ...
 
-    def generate(self, prompt: PromptType, sampling_params: SamplingParams, request_id: str,
-                 priority: int = 0, cache_salt: str | None = None,
-                 strict_max_tokens: bool = True) -> AsyncIterator[RequestOutput]:
+    def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams,
+        request_id: str,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        strict_max_tokens: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; ValueError for input it rejects; closing it aborts."""
         ...
 
-    async def abort(self, request_id: str) -> None:
-        ...
+    async def abort(self, request_id: str) -> None: ...
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """ValueError if the request's output constraint is invalid (compiles it, cached)."""
@@ -53,8 +58,6 @@ class EngineClient(Protocol):
         """Raise (EngineDeadError) unless the engine answers."""
         ...
 
-    def get_num_unfinished_requests(self) -> int:
-        ...
+    def get_num_unfinished_requests(self) -> int: ...
 
-    def shutdown(self) -> None:
-        ...
+    def shutdown(self) -> None: ...

@@ -33,12 +33,23 @@ _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydanti
 
 
 def error_body(message: str, status: int = 400, param: str | None = None, err_type: str | None = None) -> dict:
-    return {"error": {"message": message, "type": err_type or _TYPES.get(status, HTTPStatus(status).phrase),
-                      "param": param, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": err_type or _TYPES.get(status, HTTPStatus(status).phrase),
+            "param": param,
+            "code": status,
+        }
+    }
 
 
-def error_response(message: str, status: int = 400, param: str | None = None, err_type: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    message: str,
+    status: int = 400,
+    param: str | None = None,
+    err_type: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """A JSONResponse carrying an OpenAI-style error body; the message says what to change."""
     return JSONResponse(error_body(message, status, param, err_type), status_code=status, headers=headers)
 
@@ -152,8 +163,10 @@ async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, StarletteHTTPException)
-    message = {404: f"{request.method} {request.url.path} is not a route of this server",
-               405: f"{request.url.path} does not accept {request.method}"}.get(exc.status_code, str(exc.detail))
+    message = {
+        404: f"{request.method} {request.url.path} is not a route of this server",
+        405: f"{request.url.path} does not accept {request.method}",
+    }.get(exc.status_code, str(exc.detail))
     return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
 
 

@@ -37,10 +37,11 @@ class TextContentPart(OpenAIBaseModel):
     text: str | None = None
 
     @model_validator(mode="after")
-    def _only_text(self) -> "TextContentPart":
+    def _only_text(self) -> TextContentPart:
         if self.type != "text" or self.text is None:
-            raise ValueError(f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, "
-                             f"got type {self.type!r}")
+            raise ValueError(
+                f"only text content parts ({{'type': 'text', 'text': ...}}) are supported, got type {self.type!r}"
+            )
         return self
 
 
@@ -73,9 +74,14 @@ class ChatMessage(OpenAIBaseModel):
                 message[key] = getattr(self, key)
         if self.tool_calls:
             # Templates render arguments as objects (``tojson``): pass them parsed.
-            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
-                "name": c.function.name, "arguments": _parse_arguments(c.function.arguments)}}
-                for c in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {"name": c.function.name, "arguments": _parse_arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         return message
 
 
@@ -107,7 +113,7 @@ class _SamplingRequest(OpenAIBaseModel, StructuredRequestMixin):
     cache_salt: str | None = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> "_SamplingRequest":
+    def _stream_options_need_stream(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
         return self
@@ -119,15 +125,26 @@ class _SamplingRequest(OpenAIBaseModel, StructuredRequestMixin):
     def _sampling_kwargs(self, structured: StructuredOutputsParams | None = None) -> dict[str, Any]:
         kwargs: dict[str, Any] = dict(
             structured_outputs=structured,
-            n=self.n, stop=self.stop, seed=self.seed, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            stop_token_ids=self.stop_token_ids, skip_special_tokens=self.skip_special_tokens,
+            n=self.n,
+            stop=self.stop,
+            seed=self.seed,
+            min_tokens=self.min_tokens,
+            ignore_eos=self.ignore_eos,
+            stop_token_ids=self.stop_token_ids,
+            skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_parse_logit_bias(self.logit_bias),
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
-        optional = dict(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                        repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                        frequency_penalty=self.frequency_penalty)
+        optional = dict(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+        )
         kwargs.update({k: v for k, v in optional.items() if v is not None})  # None: the default
         return kwargs
 
@@ -144,7 +161,7 @@ class ChatTemplateRequest(OpenAIBaseModel):
 
     @property
     def effective_tool_choice(self) -> str | NamedToolChoice:
-        """"none", "auto", "required" or a named function (OpenAI's defaults)."""
+        """ "none", "auto", "required" or a named function (OpenAI's defaults)."""
         if not self.tools:
             return "none"
         return "auto" if self.tool_choice is None else self.tool_choice
@@ -155,10 +172,15 @@ class ChatTemplateRequest(OpenAIBaseModel):
         tools = None
         if self.effective_tool_choice != "none":
             tools = [tool.model_dump(exclude_none=True) for tool in self.tools or []]
-        return render_chat_ids(tokenizer, [m.to_template_dict() for m in self.messages], chat_template=chat_template,
-                               tools=tools, chat_template_kwargs=self.chat_template_kwargs,
-                               add_generation_prompt=self.add_generation_prompt,
-                               add_special_tokens=add_special_tokens)
+        return render_chat_ids(
+            tokenizer,
+            [m.to_template_dict() for m in self.messages],
+            chat_template=chat_template,
+            tools=tools,
+            chat_template_kwargs=self.chat_template_kwargs,
+            add_generation_prompt=self.add_generation_prompt,
+            add_special_tokens=add_special_tokens,
+        )
 
 
 class ChatCompletionRequest(_SamplingRequest, ChatTemplateRequest):
@@ -176,7 +198,7 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateRequest):
         return messages
 
     @model_validator(mode="after")
-    def _top_logprobs_need_logprobs(self) -> "ChatCompletionRequest":
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return self
@@ -189,8 +211,11 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateRequest):
         if isinstance(choice, NamedToolChoice):
             names = [t.function.name for t in self.tools or []]
             if choice.function.name not in names:
-                raise RequestParamError(f"tool_choice names the function {choice.function.name!r}, which is not in "
-                                        f"tools (available: {', '.join(names)})", "tool_choice")
+                raise RequestParamError(
+                    f"tool_choice names the function {choice.function.name!r}, which is not in "
+                    f"tools (available: {', '.join(names)})",
+                    "tool_choice",
+                )
 
     def to_sampling_params(self) -> SamplingParams:
         """Raises ValueError (naming the field) for out-of-range values."""
@@ -208,8 +233,9 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateRequest):
         if schema is None:
             return structured, param
         if structured is not None:
-            raise RequestParamError(f"tool_choice {self.effective_tool_choice!r} already constrains the output; "
-                                    f"drop {param}", param)
+            raise RequestParamError(
+                f"tool_choice {self.effective_tool_choice!r} already constrains the output; drop {param}", param
+            )
         return StructuredOutputsParams(json=schema), "tools"
 
 
@@ -244,8 +270,12 @@ class CompletionRequest(_SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         structured, _ = self.constraint()
-        return SamplingParams(max_tokens=self.max_tokens, logprobs=self.logprobs, prompt_logprobs=prompt_logprobs,
-                              **self._sampling_kwargs(structured))
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            logprobs=self.logprobs,
+            prompt_logprobs=prompt_logprobs,
+            **self._sampling_kwargs(structured),
+        )
 
     def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
         return self.structured_outputs_params()

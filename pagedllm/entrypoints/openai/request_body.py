@@ -40,6 +40,7 @@ def parse_body(model: type[M], body: dict) -> M:
 
 def typed_body(model: type[M]) -> Any:
     """``request: Annotated[ChatCompletionRequest, typed_body(ChatCompletionRequest)]`` in a route."""
+
     async def dependency(raw_request: Request) -> M:
         return parse_body(model, await json_object_body(raw_request))
 

@@ -28,5 +28,12 @@ class ServedModels:
 
     def card(self, name: str) -> dict:
         """The ``/v1/models`` entry of one served name."""
-        return {"id": name, "object": "model", "created": self.created, "owned_by": "pagedllm",
-                "root": self.root, "parent": None, "max_model_len": self.max_model_len}
+        return {
+            "id": name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "pagedllm",
+            "root": self.root,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+        }

@@ -21,14 +21,19 @@ class ServerOptions:
     tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls in this format
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ServerOptions":
+    def from_args(cls, args: argparse.Namespace) -> ServerOptions:
         names = getattr(args, "served_model_name", None) or [getattr(args, "model", None) or "pagedllm-demo"]
         waiting = getattr(args, "max_waiting_requests", 1024)
         if waiting < 0:
             raise ValueError(f"--max-waiting-requests must be >= 0, got {waiting}")
         keys = load_api_keys(getattr(args, "api_key", None), getattr(args, "api_key_file", None))
-        return cls(list(names), keys, load_chat_template(getattr(args, "chat_template", None)), waiting,
-                   _tool_call_parser(args))
+        return cls(
+            list(names),
+            keys,
+            load_chat_template(getattr(args, "chat_template", None)),
+            waiting,
+            _tool_call_parser(args),
+        )
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -58,9 +58,15 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, config: Any, 
     state: ServerState = app.state.server_state
     watchdog = None
     try:
-        server = uvicorn.Server(uvicorn.Config(
-            app, log_level=args.uvicorn_log_level, access_log=not args.disable_uvicorn_access_log,
-            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="on"))
+        server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                log_level=args.uvicorn_log_level,
+                access_log=not args.disable_uvicorn_access_log,
+                timeout_graceful_shutdown=args.shutdown_timeout,
+                lifespan="on",
+            )
+        )
         _print_startup(engine, options, args)
         _install_signal_handlers(server)
         watchdog = asyncio.create_task(watch_engine(state, server))
@@ -96,8 +102,7 @@ def _start_engine(config: Any, options: ServerOptions) -> EngineClient:
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.metrics.stats import LoggingStatLogger
 
-    engine = AsyncLLM(config, stat_loggers=[PrometheusStatLogger(options.served_model_names[0]),
-                                            LoggingStatLogger()])
+    engine = AsyncLLM(config, stat_loggers=[PrometheusStatLogger(options.served_model_names[0]), LoggingStatLogger()])
     if "torch" in sys.modules:  # the front end does no model work: leave the cores to the engine
         sys.modules["torch"].set_num_threads(1)
     return engine

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -11,8 +12,16 @@ from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import RequestParamError, value_error_response
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatTemplateRequest
 from pagedllm.entrypoints.openai.served_models import ServedModels
-from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, OutputStream, UsageCounter, clamp_logprob,
-                                                        now_s, random_id, sse, token_text)
+from pagedllm.entrypoints.openai.serving_common import (
+    OpenAIServing,
+    OutputStream,
+    UsageCounter,
+    clamp_logprob,
+    now_s,
+    random_id,
+    sse,
+    token_text,
+)
 from pagedllm.entrypoints.openai.tool_calls import NamedToolCall, RequiredToolCalls, ToolCallExtractor
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -21,8 +30,13 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
 
-    def __init__(self, engine: EngineClient, models: ServedModels, chat_template: str | None = None,
-                 tool_call_parser: str | None = None) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        models: ServedModels,
+        chat_template: str | None = None,
+        tool_call_parser: str | None = None,
+    ) -> None:
         """``chat_template``: the template itself (``--chat-template`` already read), None: the
         tokenizer's. ``tool_call_parser``: how ``tool_choice: "auto"`` finds calls in the text
         (None: "auto" is refused, as vLLM does without --enable-auto-tool-choice)."""
@@ -46,9 +60,12 @@ class OpenAIServingChat(OpenAIServing):
 
     def _check_auto_tools(self, request: ChatCompletionRequest) -> None:
         if request.effective_tool_choice == "auto" and self.tool_call_parser is None:
-            raise RequestParamError('tool_choice "auto" (the default when tools are given) needs a server started '
-                                    'with --enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice '
-                                    '"required", "none" or a named function', "tool_choice")
+            raise RequestParamError(
+                'tool_choice "auto" (the default when tools are given) needs a server started '
+                "with --enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice "
+                '"required", "none" or a named function',
+                "tool_choice",
+            )
 
     def render(self, request: ChatTemplateRequest) -> list[int]:
         """The conversation as the prompt ids this handler sends (``/tokenize`` renders with the
@@ -94,8 +111,12 @@ class _ChatShape:
             if calls:
                 message.update(content=content, tool_calls=calls)
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        return {"index": completion.index, "message": message, "logprobs": self._logprobs(completion),
-                "finish_reason": finish_reason}
+        return {
+            "index": completion.index,
+            "message": message,
+            "logprobs": self._logprobs(completion),
+            "finish_reason": finish_reason,
+        }
 
     async def events(self, stream: OutputStream) -> AsyncIterator[str]:
         usage = UsageCounter()
@@ -158,8 +179,9 @@ def chat_logprobs(rows: Iterable[dict[int, Logprob]], token_ids: list[int], num_
     content = []
     for token_id, row in zip(token_ids, rows):
         top = sorted(row.items(), key=lambda item: -item[1].logprob)[:num_top]
-        content.append({**_chat_token(token_id, row[token_id]),
-                        "top_logprobs": [_chat_token(t, entry) for t, entry in top]})
+        content.append(
+            {**_chat_token(token_id, row[token_id]), "top_logprobs": [_chat_token(t, entry) for t, entry in top]}
+        )
     return {"content": content}
 
 

@@ -14,7 +14,8 @@ import json
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -22,8 +23,12 @@ from pydantic import BaseModel
 
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.openai.engine_client import EngineClient
-from pagedllm.entrypoints.openai.errors import (RequestParamError, error_body, server_error_response,
-                                                value_error_response)
+from pagedllm.entrypoints.openai.errors import (
+    RequestParamError,
+    error_body,
+    server_error_response,
+    value_error_response,
+)
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.outputs import Logprob, RequestOutput
 
@@ -49,9 +54,12 @@ def now_s() -> int:
 
 # ---------------------------------------------------------------------------------- usage
 def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 class UsageCounter:
@@ -167,6 +175,7 @@ def sse(data: dict) -> str:
 
 def sse_response(events: AsyncIterator[str], stream: OutputStream) -> StreamingResponse:
     """Stream ``events``; on an error mid-stream send an error event, always end with [DONE]."""
+
     async def body() -> AsyncIterator[str]:
         try:
             async for event in events:
@@ -182,8 +191,9 @@ def sse_response(events: AsyncIterator[str], stream: OutputStream) -> StreamingR
             stream.close()
         yield SSE_DONE
 
-    return StreamingResponse(body(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 # ---------------------------------------------------------------------------------- logprobs
@@ -217,14 +227,21 @@ class OpenAIServing:
     def start(self, prompts: list[Any], params: Any, request_id: str, request: Any) -> OutputStream:
         def generate(i: int, prompt: Any) -> AsyncIterator[RequestOutput]:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            return self.engine.generate(prompt, params, rid, priority=request.priority,
-                                        cache_salt=request.cache_salt, strict_max_tokens=True)
+            return self.engine.generate(
+                prompt, params, rid, priority=request.priority, cache_salt=request.cache_salt, strict_max_tokens=True
+            )
 
         return OutputStream([generate(i, p) for i, p in enumerate(prompts)])
 
-    async def respond(self, stream: OutputStream, raw_request: Request, request: BaseModel, streaming: bool,
-                      make_events: Callable[[OutputStream], AsyncIterator[str]],
-                      make_body: Callable[[dict[int, RequestOutput]], dict]) -> Response:
+    async def respond(
+        self,
+        stream: OutputStream,
+        raw_request: Request,
+        request: BaseModel,
+        streaming: bool,
+        make_events: Callable[[OutputStream], AsyncIterator[str]],
+        make_body: Callable[[dict[int, RequestOutput]], dict],
+    ) -> Response:
         """Stream SSE events or collect the outputs for one JSON body; map failures to errors."""
         handed_over = False
         try:

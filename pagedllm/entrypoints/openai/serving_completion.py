@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import value_error_response
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
-from pagedllm.entrypoints.openai.serving_common import (OpenAIServing, OutputStream, UsageCounter, clamp_logprob,
-                                                        now_s, random_id, sse, token_text)
+from pagedllm.entrypoints.openai.serving_common import (
+    OpenAIServing,
+    OutputStream,
+    UsageCounter,
+    clamp_logprob,
+    now_s,
+    random_id,
+    sse,
+    token_text,
+)
 from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 
@@ -47,8 +56,16 @@ class _CompletionShape:
         for prompt_index, output in sorted(outputs.items()):
             usage.add(prompt_index, output)
             for completion in output.outputs:
-                choices.append(self._choice(prompt_index, output, completion, bool(self.request.echo),
-                                            output.prompt_logprobs, CompletionLogprobs(self.hidden_ids)))
+                choices.append(
+                    self._choice(
+                        prompt_index,
+                        output,
+                        completion,
+                        bool(self.request.echo),
+                        output.prompt_logprobs,
+                        CompletionLogprobs(self.hidden_ids),
+                    )
+                )
         return {**self.base, "choices": choices, "usage": usage.usage()}
 
     async def events(self, stream: OutputStream) -> AsyncIterator[str]:
@@ -67,27 +84,44 @@ class _CompletionShape:
                         continue
                     index = prompt_index * self.n + completion.index
                     first = index not in offsets
-                    choice = self._choice(prompt_index, output, completion, bool(self.request.echo) and first,
-                                          prompt_logprobs.get(prompt_index),
-                                          offsets.setdefault(index, CompletionLogprobs(self.hidden_ids)))
+                    choice = self._choice(
+                        prompt_index,
+                        output,
+                        completion,
+                        bool(self.request.echo) and first,
+                        prompt_logprobs.get(prompt_index),
+                        offsets.setdefault(index, CompletionLogprobs(self.hidden_ids)),
+                    )
                     events.append(sse({**self.base, "choices": [choice], **extra}))
             if events:
                 yield "".join(events)
         if self.request.include_usage:
             yield sse({**self.base, "choices": [], "usage": usage.usage()})
 
-    def _choice(self, prompt_index: int, output: RequestOutput, completion: CompletionOutput, echo: bool,
-                prompt_logprobs: Any, offsets: CompletionLogprobs) -> dict:
+    def _choice(
+        self,
+        prompt_index: int,
+        output: RequestOutput,
+        completion: CompletionOutput,
+        echo: bool,
+        prompt_logprobs: Any,
+        offsets: CompletionLogprobs,
+    ) -> dict:
         """One choice (or one chunk of it); ``echo``: prepend the prompt (its first chunk only)."""
         prompt_text = self._prompt_text(output) if echo else ""
         logprobs = None
         if self.request.logprobs is not None:
             logprobs = self._logprobs(output, completion, prompt_logprobs if echo else None, offsets)
-        return {"index": prompt_index * self.n + completion.index, "text": prompt_text + completion.text,
-                "logprobs": logprobs, "finish_reason": completion.finish_reason}
+        return {
+            "index": prompt_index * self.n + completion.index,
+            "text": prompt_text + completion.text,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason,
+        }
 
-    def _logprobs(self, output: RequestOutput, completion: CompletionOutput, prompt_logprobs: Any,
-                  offsets: CompletionLogprobs) -> dict:
+    def _logprobs(
+        self, output: RequestOutput, completion: CompletionOutput, prompt_logprobs: Any, offsets: CompletionLogprobs
+    ) -> dict:
         result = None
         if prompt_logprobs is not None and output.prompt_token_ids:
             first_text = self.tokenizer.decode(output.prompt_token_ids[:1])
@@ -97,8 +131,9 @@ class _CompletionShape:
     def _prompt_text(self, output: RequestOutput) -> str:
         if output.prompt is not None:
             return output.prompt
-        return self.tokenizer.decode(output.prompt_token_ids or [],
-                                     skip_special_tokens=self.request.skip_special_tokens)
+        return self.tokenizer.decode(
+            output.prompt_token_ids or [], skip_special_tokens=self.request.skip_special_tokens
+        )
 
 
 class CompletionLogprobs:
@@ -109,8 +144,9 @@ class CompletionLogprobs:
         self.offset = 0
         self.hidden_ids = hidden_ids  # special tokens the text leaves out: they take no offset
 
-    def format(self, rows: Iterable[dict[int, Logprob] | None], token_ids: list[int],
-               first_text: str | None = None) -> dict:
+    def format(
+        self, rows: Iterable[dict[int, Logprob] | None], token_ids: list[int], first_text: str | None = None
+    ) -> dict:
         out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for token_id, row in zip(token_ids, rows):
             if row is None:  # the first prompt token: nothing predicts it

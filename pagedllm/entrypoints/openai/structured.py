@@ -32,7 +32,7 @@ class ResponseFormat(_Model):
     json_schema: JsonSchemaFormat | None = None
 
     @model_validator(mode="after")
-    def _schema_given(self) -> "ResponseFormat":
+    def _schema_given(self) -> ResponseFormat:
         if self.type == "json_schema" and (self.json_schema is None or self.json_schema.json_schema is None):
             raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON schema)")
         return self
@@ -55,7 +55,7 @@ class FunctionDefinition(_Model):
     strict: bool | None = None
 
     @model_validator(mode="after")
-    def _valid_name(self) -> "FunctionDefinition":
+    def _valid_name(self) -> FunctionDefinition:
         if not _FUNCTION_NAME.match(self.name):
             raise ValueError(f"tools: function name {self.name!r} must be 1-64 letters, digits, '_' or '-'")
         return self
@@ -94,8 +94,9 @@ class StructuredRequestMixin(_Model):
         sources = self._constraint_sources()
         if len(sources) > 1:
             names = ", ".join(name for name, _ in sources)
-            raise RequestParamError(f"{sources[1][0]} conflicts with {sources[0][0]}: set only one of {names}",
-                                    sources[1][0])
+            raise RequestParamError(
+                f"{sources[1][0]} conflicts with {sources[0][0]}: set only one of {names}", sources[1][0]
+            )
         if not sources:
             return None, None
         param, kwargs = sources[0]
@@ -117,11 +118,20 @@ class StructuredRequestMixin(_Model):
             sources.append(("response_format", {"json": fmt.json_schema.json_schema}))
         if self.structured_outputs is not None:
             so = self.structured_outputs
-            kwargs = {"json": so.json_, "json_object": so.json_object, "regex": so.regex, "choice": so.choice,
-                      "grammar": so.grammar}
+            kwargs = {
+                "json": so.json_,
+                "json_object": so.json_object,
+                "regex": so.regex,
+                "choice": so.choice,
+                "grammar": so.grammar,
+            }
             sources.append(("structured_outputs", {k: v for k, v in kwargs.items() if v is not None}))
-        for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
-                           ("guided_grammar", "grammar")):
+        for name, kind in (
+            ("guided_json", "json"),
+            ("guided_regex", "regex"),
+            ("guided_choice", "choice"),
+            ("guided_grammar", "grammar"),
+        ):
             if getattr(self, name) is not None:
                 sources.append((name, {kind: getattr(self, name)}))
         return sources

@@ -50,8 +50,13 @@ def _required_schema(tools: list[Any], parallel: bool) -> dict:
         for key, value in parameters.pop("$defs", {}).items():
             if defs.setdefault(key, value) != value:
                 raise RequestParamError(f"tools define different schemas under $defs/{key}; rename one", "tools")
-        items.append({"type": "object", "required": ["name", "parameters"], "properties": {
-            "name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters}})
+        items.append(
+            {
+                "type": "object",
+                "required": ["name", "parameters"],
+                "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
+            }
+        )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1

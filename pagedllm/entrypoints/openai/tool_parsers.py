@@ -67,10 +67,10 @@ class HermesToolParser(ToolCallExtractor):
             if index < 0:
                 if not self.inside:
                     keep = _partial_prefix_len(self.buffer, self.START)
-                    self._content(self.buffer[:len(self.buffer) - keep], deltas)
-                    self.buffer = self.buffer[len(self.buffer) - keep:]
+                    self._content(self.buffer[: len(self.buffer) - keep], deltas)
+                    self.buffer = self.buffer[len(self.buffer) - keep :]
                 return deltas
-            head, self.buffer = self.buffer[:index], self.buffer[index + len(marker):]
+            head, self.buffer = self.buffer[:index], self.buffer[index + len(marker) :]
             if self.inside:
                 self._call(head, deltas)
             else:
@@ -109,7 +109,7 @@ class Llama3JsonToolParser(ToolCallExtractor):
 
     def extract(self, text: str) -> tuple[str | None, list[dict]]:
         body = text.strip()
-        body = body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+        body = body[len(self.TAG) :].lstrip() if body.startswith(self.TAG) else body
         if not body.startswith("{"):
             return text, []
         calls, decoder, pos = [], json.JSONDecoder(), 0
@@ -131,7 +131,7 @@ class Llama3JsonToolParser(ToolCallExtractor):
             return [{"content": text}] if text else []
         self.buffer += text
         visible = self.buffer.lstrip()
-        if not visible or self.TAG.startswith(visible[:len(self.TAG)]) and len(visible) < len(self.TAG):
+        if not visible or self.TAG.startswith(visible[: len(self.TAG)]) and len(visible) < len(self.TAG):
             return []  # undecided yet
         self.mode = "json" if visible.startswith(("{", self.TAG)) else "content"
         if self.mode == "content":

@@ -17,12 +17,20 @@ class Attention(nn.Module):
     (:meth:`bind_kv_cache`); until then the layer cannot run.
     """
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float,
-                 sliding_window: int | None = None, layer_idx: int = 0) -> None:
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+        layer_idx: int = 0,
+    ) -> None:
         super().__init__()
         if num_heads % num_kv_heads:
-            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of "
-                             f"num_key_value_heads ({num_kv_heads})")
+            raise ValueError(
+                f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})"
+            )
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads

@@ -38,8 +38,13 @@ class CommonAttentionMetadata:
         return [loc[i + 1] - loc[i] for i in range(len(loc) - 1)]
 
 
-def build_common_metadata(query_lens: list[int], context_lens: list[int], block_tables: list[list[int]],
-                          block_size: int, device: torch.device | str = "cpu") -> CommonAttentionMetadata:
+def build_common_metadata(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> CommonAttentionMetadata:
     """Build the metadata from plain lists (tests and simple callers; the runner has a faster path)."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     loc = [0]
@@ -48,13 +53,19 @@ def build_common_metadata(query_lens: list[int], context_lens: list[int], block_
     width = max((len(t) for t in block_tables), default=0) or 1
     table = torch.zeros(len(block_tables), width, dtype=torch.int64)
     for i, row in enumerate(block_tables):
-        table[i, :len(row)] = torch.tensor(row, dtype=torch.int64)
+        table[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
     slots = []
     for i, (ctx, n) in enumerate(zip(context_lens, query_lens)):
         for pos in range(ctx, ctx + n):
             slots.append(block_tables[i][pos // block_size] * block_size + pos % block_size)
     return CommonAttentionMetadata(
-        query_start_loc=torch.tensor(loc, dtype=torch.int64, device=device), query_start_loc_cpu=loc,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device), seq_lens_cpu=seq_lens,
-        block_table=table.to(device), slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        block_size=block_size, max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0))
+        query_start_loc=torch.tensor(loc, dtype=torch.int64, device=device),
+        query_start_loc_cpu=loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+        seq_lens_cpu=seq_lens,
+        block_table=table.to(device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_size=block_size,
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+    )

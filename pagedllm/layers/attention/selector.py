@@ -33,12 +33,18 @@ def get_attn_backend(device_type: str, name: str | None = None) -> AttentionBack
     name = resolve_backend_name(device_type, name)
     if name == "triton":
         if not triton_available():
-            raise ValueError("attention backend 'triton' needs the triton package (pip install triton); "
-                             "or use --attention-backend torch")
+            raise ValueError(
+                "attention backend 'triton' needs the triton package (pip install triton); "
+                "or use --attention-backend torch"
+            )
         if device_type != "cuda" and not envs.triton_interpret():
-            raise ValueError(f"attention backend 'triton' needs a CUDA device (got {device_type!r}); use "
-                             "--attention-backend torch, or set TRITON_INTERPRET=1 to run it in Triton's interpreter")
+            raise ValueError(
+                f"attention backend 'triton' needs a CUDA device (got {device_type!r}); use "
+                "--attention-backend torch, or set TRITON_INTERPRET=1 to run it in Triton's interpreter"
+            )
         from pagedllm.layers.attention.backends.triton_attn import TritonAttentionBackend
+
         return TritonAttentionBackend()
     from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend
+
     return TorchAttentionBackend()

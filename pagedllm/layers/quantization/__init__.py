@@ -47,5 +47,13 @@ def building_with(config: QuantizationConfig) -> Iterator[QuantizationConfig]:
         _current = previous
 
 
-__all__ = ["QUANTIZATION_CONFIGS", "QUANTIZATION_METHODS", "LinearMethodBase", "QuantizationConfig",
-           "UnquantizedLinearMethod", "building_with", "current_quant_config", "get_quantization_config"]
+__all__ = [
+    "QUANTIZATION_CONFIGS",
+    "QUANTIZATION_METHODS",
+    "LinearMethodBase",
+    "QuantizationConfig",
+    "UnquantizedLinearMethod",
+    "building_with",
+    "current_quant_config",
+    "get_quantization_config",
+]

@@ -25,12 +25,18 @@ class LinearMethodBase(ABC):
     what it chose for that layer's weights (a layout, a kernel) so ``apply`` tests nothing."""
 
     @abstractmethod
-    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
-                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
         """Register on ``layer`` the parameters for this rank's shard: ``input_size`` inputs and
         ``output_sizes`` outputs (one entry per fused projection, their sum is the layer's width)."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 (optional hook)
         """Convert the loaded weights for the device, once (default: keep them as they are)."""
 
     @abstractmethod
@@ -38,8 +44,9 @@ class LinearMethodBase(ABC):
         """``x [..., in] @ W^T + bias`` -> ``[..., out]`` with this method's weights."""
 
 
-def create_dense_weight(layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype,
-                        weight_loader: WeightLoader) -> None:
+def create_dense_weight(
+    layer: nn.Module, input_size: int, output_sizes: list[int], params_dtype: torch.dtype, weight_loader: WeightLoader
+) -> None:
     """``layer.weight`` [sum(output_sizes), input_size] in the checkpoint layout, split along
     dim 0 by column-parallel layers and dim 1 by row-parallel ones."""
     weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)

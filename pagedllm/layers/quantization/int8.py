@@ -93,13 +93,14 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     n = panels * PANEL
     full = n // _GROUP * _GROUP
     flat = packed.reshape(-1)
-    body = flat[:full * k].reshape(n // _GROUP, k, _GROUP).transpose(1, 2).reshape(full, k)
-    tail = flat[full * k:].reshape(k, n - full).t()
+    body = flat[: full * k].reshape(n // _GROUP, k, _GROUP).transpose(1, 2).reshape(full, k)
+    tail = flat[full * k :].reshape(k, n - full).t()
     return torch.cat([body, tail])
 
 
-def _not_quantized_yet(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor,
-                       bias: torch.Tensor | None) -> torch.Tensor:
+def _not_quantized_yet(
+    x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     raise RuntimeError("an int8 layer runs only after its quant_method.process_weights_after_loading")
 
 
@@ -111,8 +112,14 @@ class Int8LinearMethod(LinearMethodBase):
     def __init__(self) -> None:
         self._kernel: PackedLinearInt8 = _not_quantized_yet  # the int8 GEMM once the weight is quantized
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
-                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
         layer.register_buffer("weight_scale", None, persistent=False)
 
@@ -121,9 +128,13 @@ class Int8LinearMethod(LinearMethodBase):
             return
         w = layer.weight.data
         if not can_quantize(w):
-            logger.warning("int8 quantization skipped for a %s weight of shape %s (needs the CPU kernels, "
-                           "float32 and out_features %% 16 == 0); it stays in %s", w.device.type,
-                           tuple(w.shape), w.dtype)
+            logger.warning(
+                "int8 quantization skipped for a %s weight of shape %s (needs the CPU kernels, "
+                "float32 and out_features %% 16 == 0); it stays in %s",
+                w.device.type,
+                tuple(w.shape),
+                w.dtype,
+            )
             layer.quant_method = UnquantizedLinearMethod()
             layer.quant_method.process_weights_after_loading(layer)
             return

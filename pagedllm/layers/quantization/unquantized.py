@@ -88,8 +88,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
         self.layout: WeightLayout | None = None  # None until the weights are processed
         self._kernel: LinearKernel = F.linear  # the checkpoint layout works before processing
 
-    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
-                       params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -30,17 +30,37 @@ def _die_with_parent() -> None:
 class RemoteServer:
     """Starts ``python -m pagedllm.entrypoints.cli serve MODEL ARGS`` and waits for /health."""
 
-    def __init__(self, model: str | Path, args: list[str] | None = None, start_timeout: float = 180,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model: str | Path,
+        args: list[str] | None = None,
+        start_timeout: float = 180,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model),
-               "--host", "127.0.0.1", "--port", str(self.port), *(args or [])]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pagedllm.entrypoints.cli",
+            "serve",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *(args or []),
+        ]
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"pagedllm-server-{self.port}.log"
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, **(env or {})}, start_new_session=True,
-                                     preexec_fn=_die_with_parent)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
         self._wait_ready(start_timeout)
 
     def _wait_ready(self, timeout: float) -> None:
@@ -86,7 +106,7 @@ class RemoteServer:
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> "RemoteServer":
+    def __enter__(self) -> RemoteServer:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -18,11 +18,13 @@ from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.outputs import CompletionOutput, RequestOutput
 
 # Renders tools and a template kwarg, so dropping either changes the ids.
-TEMPLATE = ("{{- bos_token -}}{%- if tools -%}{{- 'tools:' -}}"
-            "{%- for t in tools -%}{{- ' ' + t['function']['name'] -}}{%- endfor -%}{{- '\\n' -}}{%- endif -%}"
-            "{%- if persona -%}{{- 'persona: ' + persona + '\\n' -}}{%- endif -%}"
-            "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
-            "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+TEMPLATE = (
+    "{{- bos_token -}}{%- if tools -%}{{- 'tools:' -}}"
+    "{%- for t in tools -%}{{- ' ' + t['function']['name'] -}}{%- endfor -%}{{- '\\n' -}}{%- endif -%}"
+    "{%- if persona -%}{{- 'persona: ' + persona + '\\n' -}}{%- endif -%}"
+    "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "weather"}, {"type": "text", "text": "in Paris?"}]}]
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
 KWARGS = {"persona": "forecaster"}
@@ -35,15 +37,16 @@ class RecordingEngine:
         self.tokenizer = tokenizer
         self.config = SimpleNamespace(
             scheduler_config=SimpleNamespace(max_num_seqs=4),
-            model_config=SimpleNamespace(max_model_len=512, model="/m",
-                                         arch=SimpleNamespace(vocab_size=len(tokenizer))))
+            model_config=SimpleNamespace(
+                max_model_len=512, model="/m", arch=SimpleNamespace(vocab_size=len(tokenizer))
+            ),
+        )
         self.stat_loggers: list = []
         self.is_running = True
         self.capacity: dict = {}
         self.prompts: list = []
 
-    async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None,
-                       strict_max_tokens=True):
+    async def generate(self, prompt, sampling_params, request_id, priority=0, cache_salt=None, strict_max_tokens=True):
         self.prompts.append(prompt)
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else self.tokenizer.encode(prompt)
         yield RequestOutput(request_id, None, ids, None, [CompletionOutput(0, "ok", [5], finish_reason="length")], True)
@@ -74,8 +77,9 @@ def tokenizer(tiny_model_dir):
 @pytest.fixture()
 def app_engine(tokenizer):
     engine = RecordingEngine(tokenizer)
-    args = Namespace(served_model_name=["m", "m2"], chat_template=TEMPLATE, enable_auto_tool_choice=True,
-                     tool_call_parser="hermes")
+    args = Namespace(
+        served_model_name=["m", "m2"], chat_template=TEMPLATE, enable_auto_tool_choice=True, tool_call_parser="hermes"
+    )
     with TestClient(build_app(engine, args), raise_server_exceptions=False) as client:
         yield client, engine
 
@@ -92,8 +96,9 @@ def test_tokenize_returns_exactly_the_ids_chat_sends(app_engine, tokenizer):
     assert chat.json()["usage"]["prompt_tokens"] == tok.json()["count"] == len(sent)
     # ... and they are the shared renderer's ids, with the tools and the kwarg in them
     template_messages = [{"role": "user", "content": "weather\nin Paris?"}]
-    assert sent == render_chat_ids(tokenizer, template_messages, chat_template=TEMPLATE, tools=TOOLS,
-                                   chat_template_kwargs=KWARGS)
+    assert sent == render_chat_ids(
+        tokenizer, template_messages, chat_template=TEMPLATE, tools=TOOLS, chat_template_kwargs=KWARGS
+    )
     text = tokenizer.decode(sent)
     assert "tools: get_weather" in text and "persona: forecaster" in text and "weather\nin Paris?" in text
     plain = client.post("/tokenize", json={"messages": MESSAGES}).json()["tokens"]
@@ -114,30 +119,41 @@ def test_tokenize_and_chat_agree_on_tool_choice_none_and_bad_kwargs(app_engine):
 
 def test_one_model_check_one_404(app_engine):
     client, _ = app_engine
-    requests = [("post", "/v1/chat/completions", {"model": "nope", "messages": MESSAGES}),
-                ("post", "/v1/completions", {"model": "nope", "prompt": "hi"}),
-                ("post", "/tokenize", {"model": "nope", "prompt": "hi"}),
-                ("post", "/detokenize", {"model": "nope", "tokens": [1]}),
-                ("get", "/v1/models/nope", None)]
+    requests = [
+        ("post", "/v1/chat/completions", {"model": "nope", "messages": MESSAGES}),
+        ("post", "/v1/completions", {"model": "nope", "prompt": "hi"}),
+        ("post", "/tokenize", {"model": "nope", "prompt": "hi"}),
+        ("post", "/detokenize", {"model": "nope", "tokens": [1]}),
+        ("get", "/v1/models/nope", None),
+    ]
     bodies = []
     for method, path, body in requests:
         resp = client.request(method, path, json=body)
         assert resp.status_code == 404, (path, resp.text)
         bodies.append(resp.json())
     assert all(b == bodies[0] for b in bodies), bodies
-    assert bodies[0] == {"error": {"message": "The model `nope` does not exist; this server serves `m`, `m2`.",
-                                   "type": "NotFoundError", "param": "model", "code": 404}}
+    assert bodies[0] == {
+        "error": {
+            "message": "The model `nope` does not exist; this server serves `m`, `m2`.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
     assert client.post("/v1/completions", json={"model": "m2", "prompt": "hi"}).json()["model"] == "m2"
     assert client.get("/v1/models/m2").json()["id"] == "m2"
 
 
-@pytest.mark.parametrize("path, body, param", [
-    ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
-    ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
-    ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
-    ("/detokenize", {"tokens": [1, "a"]}, "tokens.1"),
-    ("/detokenize", {}, "tokens"),
-])
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
+        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
+        ("/detokenize", {"tokens": [1, "a"]}, "tokens.1"),
+        ("/detokenize", {}, "tokens"),
+    ],
+)
 def test_tokenizer_routes_take_typed_bodies(app_engine, path, body, param):
     client, _ = app_engine
     resp = client.post(path, json=body)
@@ -157,8 +173,10 @@ def test_async_llm_provides_every_engine_client_member():
     for name in members:
         proto = vars(EngineClient).get(name)
         if inspect.isfunction(proto):
-            assert inspect.signature(getattr(AsyncLLM, name)).parameters.keys() == \
-                inspect.signature(proto).parameters.keys(), name
+            assert (
+                inspect.signature(getattr(AsyncLLM, name)).parameters.keys()
+                == inspect.signature(proto).parameters.keys()
+            ), name
 
 
 def test_watchdog_ignores_an_engine_stopped_on_purpose(app_engine):

@@ -7,9 +7,10 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
-
-MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "Tell me a story about a fox."}]
+MESSAGES = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "Tell me a story about a fox."},
+]
 
 
 def num_prompt_tokens(tokenizer, messages) -> int:
@@ -45,16 +46,20 @@ def test_chat_shape_and_exact_usage(client, tokenizer):
 
 def test_model_may_be_omitted_and_content_parts(server):
     parts = [{"role": "user", "content": [{"type": "text", "text": "Tell me"}, {"type": "text", "text": "a story"}]}]
-    r = httpx.post(server.url_for("v1", "chat", "completions"), timeout=30,
-                   json={"messages": parts, "max_tokens": 3, "temperature": 0})
+    r = httpx.post(
+        server.url_for("v1", "chat", "completions"),
+        timeout=30,
+        json={"messages": parts, "max_tokens": 3, "temperature": 0},
+    )
     assert r.status_code == 200, r.text
     assert r.json()["model"] == "tiny"
 
 
 def test_streaming_matches_non_streaming(client):
     full = chat(client, temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
-    chunks = stream_chat(client, temperature=0, max_tokens=16, stream_options={"include_usage": True},
-                         extra_body={"ignore_eos": True})
+    chunks = stream_chat(
+        client, temperature=0, max_tokens=16, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}
+    )
     assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -83,7 +88,7 @@ def test_n2_seeded_sampling_is_reproducible(client):
 
 def test_stop_string(client):
     text = chat(client, temperature=0, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].message.content
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"pick a different prompt: {text!r}"
     out = chat(client, temperature=0, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
     assert out.choices[0].message.content == text[: text.index(stop)]
@@ -99,8 +104,9 @@ def test_logprobs_shape(client):
         assert len(entry.top_logprobs) == 3
         assert [t.logprob for t in entry.top_logprobs] == sorted((t.logprob for t in entry.top_logprobs), reverse=True)
         assert entry.top_logprobs[0].token == entry.token  # greedy picks the most likely token
-    chunks = stream_chat(client, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3,
-                         extra_body={"ignore_eos": True})
+    chunks = stream_chat(
+        client, temperature=0, max_tokens=5, logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True}
+    )
     streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert [e.token for e in streamed] == [e.token for e in content]
     plain = chat(client, temperature=0, max_tokens=3)
@@ -128,8 +134,11 @@ BAD = [
     ({"messages": []}, "messages", "at least one"),
     ({"messages": "hi"}, "messages", "messages"),
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role", "role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages.0.content.0", "text"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+        "messages.0.content.0",
+        "text",
+    ),
     ({"temperature": -1}, "temperature", "temperature"),
     ({"top_p": 1.5}, "top_p", "top_p"),
     ({"top_k": -5}, "top_k", "top_k"),

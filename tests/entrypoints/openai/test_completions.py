@@ -7,7 +7,6 @@ import openai
 import pytest
 from openai.types import Completion
 
-
 PROMPT = "The quick brown fox jumps over the lazy dog and then"
 
 
@@ -39,8 +38,15 @@ def test_completion_shape_and_exact_usage(client, tokenizer):
 
 def test_streaming_matches_non_streaming(client):
     full = greedy(client, max_tokens=16, extra_body={"ignore_eos": True})
-    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
-                                       stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     chunks = list(stream)
     assert all(c.object == "text_completion" and c.id == chunks[0].id for c in chunks)
     text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -67,7 +73,7 @@ def test_n2_and_seeds_reproducible(client):
 
 def test_stop_string(client):
     text = greedy(client, max_tokens=24, extra_body={"ignore_eos": True}).choices[0].text
-    stop = text[len(text) // 2: len(text) // 2 + 3]
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip(), f"pick a different prompt: {text!r}"
     out = greedy(client, max_tokens=24, stop=[stop], extra_body={"ignore_eos": True})
     assert out.choices[0].text == text[: text.index(stop)]
@@ -183,14 +189,21 @@ def test_streaming_request_errors_before_the_stream_starts(client):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize("path, body", [
-    (("v1", "completions"), {"prompt": "hi"}),
-    (("v1", "chat", "completions"), {"messages": [{"role": "user", "content": "hi"}]}),
-], ids=["completions", "chat"])
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (("v1", "completions"), {"prompt": "hi"}),
+        (("v1", "chat", "completions"), {"messages": [{"role": "user", "content": "hi"}]}),
+    ],
+    ids=["completions", "chat"],
+)
 def test_priority_under_fcfs_is_400_naming_the_flag(server, path, body, stream):
     """As offline (a ValueError), a priority the fcfs scheduler would ignore is refused, not dropped."""
-    r = httpx.post(server.url_for(*path), json={"model": "tiny", "max_tokens": 2, "priority": 1, "stream": stream,
-                                                **body}, timeout=30)
+    r = httpx.post(
+        server.url_for(*path),
+        json={"model": "tiny", "max_tokens": 2, "priority": 1, "stream": stream, **body},
+        timeout=30,
+    )
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "priority" and "--scheduling-policy priority" in error["message"], error

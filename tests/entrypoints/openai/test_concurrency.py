@@ -56,8 +56,9 @@ async def _all_at_once(server, texts: list[str]) -> list[tuple[str, str | None]]
 def test_64_concurrent_streams_match_running_alone(server):
     texts = prompts(NUM_CONCURRENT)
     client = server.openai_client()
-    alone = [client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text
-             for p in texts]
+    alone = [
+        client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0).choices[0].text for p in texts
+    ]
     together = asyncio.run(_all_at_once(server, texts))
     assert [text for text, _ in together] == alone
     assert all(finish in ("stop", "length") for _, finish in together)
@@ -80,25 +81,28 @@ async def _metric(client: httpx.AsyncClient, server, name: str) -> float:
 
 
 async def _witness(server, progress: list[int]) -> None:
-    body = {"model": "tiny", "prompt": "witness", "max_tokens": WITNESS_MAX_TOKENS, "ignore_eos": True,
-            "stream": True}
-    async with httpx.AsyncClient(timeout=60) as client:
-        async with client.stream("POST", server.url_for("v1", "completions"), json=body) as response:
-            async for line in response.aiter_lines():
-                if line.startswith("data: {"):
-                    progress[0] += 1  # one event per step: the witness has n=1
+    body = {"model": "tiny", "prompt": "witness", "max_tokens": WITNESS_MAX_TOKENS, "ignore_eos": True, "stream": True}
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        client.stream("POST", server.url_for("v1", "completions"), json=body) as response,
+    ):
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                progress[0] += 1  # one event per step: the witness has n=1
 
 
 async def _stream_then_hang_up(server, path: str, body: dict, lines: int) -> None:
     """Read ``lines`` SSE events, then close the connection mid-stream."""
-    async with httpx.AsyncClient(timeout=30) as client:
-        async with client.stream("POST", server.url_for(*path.split("/")), json=body) as response:
-            assert response.status_code == 200
-            seen = 0
-            async for line in response.aiter_lines():
-                seen += line.startswith("data: ")
-                if seen == lines:
-                    break
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", server.url_for(*path.split("/")), json=body) as response,
+    ):
+        assert response.status_code == 200
+        seen = 0
+        async for line in response.aiter_lines():
+            seen += line.startswith("data: ")
+            if seen == lines:
+                break
 
 
 async def _post_until_timeout(server, body: dict, timeout: float) -> None:
@@ -116,10 +120,13 @@ async def _hang_up_on_everything(server) -> None:
     long = {"max_tokens": LONG_MAX_TOKENS, "ignore_eos": True, "temperature": 0.8, "model": "tiny"}
     chat = {**long, "messages": [{"role": "user", "content": "hi"}]}
     non_streaming = asyncio.ensure_future(_post_until_timeout(server, {**chat, "n": 4}, timeout=0.2))
-    streams = [_stream_then_hang_up(server, "v1/completions", {**long, "prompt": f"story {i}", "n": 3,
-                                                                "stream": True}, 4) for i in range(2)]
-    streams += [_stream_then_hang_up(server, "v1/chat/completions", {**chat, "n": 3, "stream": True}, 4)
-                for _ in range(2)]
+    streams = [
+        _stream_then_hang_up(server, "v1/completions", {**long, "prompt": f"story {i}", "n": 3, "stream": True}, 4)
+        for i in range(2)
+    ]
+    streams += [
+        _stream_then_hang_up(server, "v1/chat/completions", {**chat, "n": 3, "stream": True}, 4) for _ in range(2)
+    ]
     await asyncio.gather(*streams)
     await non_streaming
 
@@ -145,8 +152,9 @@ async def _aborted_before_they_could_finish(server) -> tuple[int, int]:
 def _nudge(server) -> None:
     """Run one tiny request. The engine core reports its gauges with each step's outputs, so an
     abort that leaves it idle is not reflected in /metrics until the next step."""
-    r = httpx.post(server.url_for("v1", "completions"), timeout=30,
-                   json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+    r = httpx.post(
+        server.url_for("v1", "completions"), timeout=30, json={"model": "tiny", "prompt": "x", "max_tokens": 1}
+    )
     assert r.status_code == 200
 
 

@@ -22,10 +22,17 @@ K1, K2 = "sk-key-one", "sk-key-two"
 AUTH = {"Authorization": f"Bearer {K1}"}
 
 METRIC_NAMES = [
-    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-    "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total",
-    "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total", "vllm:request_success_total",
-    "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:prompt_tokens_total",
+    "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total",
+    "vllm:prefix_cache_hits_total",
+    "vllm:num_preemptions_total",
+    "vllm:request_success_total",
+    "vllm:time_to_first_token_seconds_bucket",
+    "vllm:inter_token_latency_seconds_bucket",
     "vllm:e2e_request_latency_seconds_bucket",
 ]
 
@@ -34,8 +41,20 @@ METRIC_NAMES = [
 def srv(server_model_dir, tmp_path_factory):
     key_file = tmp_path_factory.mktemp("keys") / "keys.txt"
     key_file.write_text(f"# comment\n\n{K2}\n")
-    args = ["--served-model-name", "tiny", "tiny-alias", "--api-key", K1, "--api-key-file", str(key_file),
-            "--max-num-seqs", "1", "--max-waiting-requests", "1", "--disable-uvicorn-access-log"]
+    args = [
+        "--served-model-name",
+        "tiny",
+        "tiny-alias",
+        "--api-key",
+        K1,
+        "--api-key-file",
+        str(key_file),
+        "--max-num-seqs",
+        "1",
+        "--max-waiting-requests",
+        "1",
+        "--disable-uvicorn-access-log",
+    ]
     with RemoteServer(server_model_dir, args) as server:
         yield server
 
@@ -104,7 +123,7 @@ def test_malformed_json_is_400(client, path):
 
 def test_wrong_types_are_400(client):
     assert assert_openai_error(client.post("/detokenize", json={"tokens": "abc"}), 400)["param"] == "tokens"
-    assert_openai_error(client.post("/detokenize", json={"tokens": [10 ** 9]}), 400)
+    assert_openai_error(client.post("/detokenize", json={"tokens": [10**9]}), 400)
     assert_openai_error(client.post("/tokenize", json={"prompt": 12}), 400)
     assert_openai_error(client.post("/tokenize", json={}), 400)
     assert_openai_error(client.post("/tokenize", json={"model": "nope", "prompt": "x"}), 404)
@@ -141,8 +160,9 @@ def test_key_helpers(tmp_path):
 
 # ---------------------------------------------------------------------------------- metrics
 def test_metrics_parse_and_count(client):
-    resp = client.post("/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 5,
-                                                "ignore_eos": True})
+    resp = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": "Hello", "max_tokens": 5, "ignore_eos": True}
+    )
     assert resp.status_code == 200, resp.text
     text = httpx.get(client.base_url.join("/metrics")).text
     samples = {}
@@ -201,8 +221,9 @@ class FakeEngine:
     def __init__(self) -> None:
         from types import SimpleNamespace
 
-        self.config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=1),
-                                      model_config=SimpleNamespace(max_model_len=64, model="/m"))
+        self.config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_seqs=1), model_config=SimpleNamespace(max_model_len=64, model="/m")
+        )
         self.stat_loggers: list = []
         self.is_running = True
         self.healthy = True

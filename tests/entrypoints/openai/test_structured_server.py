@@ -15,33 +15,55 @@ import httpx
 import jsonschema
 import pytest
 
-from pagedllm.engine.async_llm import AsyncLLM
 from pagedllm.config import EngineArgs
+from pagedllm.engine.async_llm import AsyncLLM
 
 from .conftest import RemoteServer
 from .test_concurrency import metric
 
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
-    "days": {"type": "integer", "minimum": 1, "maximum": 7},
-    "unit": {"$ref": "#/$defs/unit"}}, "required": ["city", "days"],
-    "$defs": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": {
-             "type": "object", "properties": {"tz": {"type": "string", "pattern": "^UTC[+-][0-9]$"}},
-             "required": ["tz"]}}}]
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "unit": {"$ref": "#/$defs/unit"},
+    },
+    "required": ["city", "days"],
+    "$defs": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "parameters": {
+                "type": "object",
+                "properties": {"tz": {"type": "string", "pattern": "^UTC[+-][0-9]$"}},
+                "required": ["tz"],
+            },
+        },
+    },
+]
 PARAMS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in TOOLS}
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
-          "required": ["name", "age"]}
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+    "required": ["name", "age"],
+}
 
 
 @pytest.fixture(scope="module")
 def srv(server_model_dir):
-    args = ["--served-model-name", "tiny", "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-            "--disable-uvicorn-access-log"]
+    args = [
+        "--served-model-name",
+        "tiny",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--disable-uvicorn-access-log",
+    ]
     with RemoteServer(server_model_dir, args) as server:
         yield server
 
@@ -100,16 +122,21 @@ def test_response_format_json_object_and_streaming(client):
 
 # ---------------------------------------------------------------------------------- vLLM fields
 def test_structured_outputs_and_guided_fields_on_completions(srv):
-    cases = [({"structured_outputs": {"json": PERSON}}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
-             ({"guided_json": json.dumps(PERSON)}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
-             ({"guided_regex": r"[A-Z]{3}-\d{2}"}, lambda t: re.fullmatch(r"[A-Z]{3}-\d{2}", t) or 1 / 0),
-             ({"structured_outputs": {"regex": r"(up|down)"}}, lambda t: t in ("up", "down") or 1 / 0),
-             ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta") or 1 / 0),
-             ({"guided_grammar": 'root ::= "(" [0-9] ("+" [0-9]){0,3} ")"'},
-              lambda t: re.fullmatch(r"\(\d(\+\d){0,3}\)", t) or 1 / 0)]
+    cases = [
+        ({"structured_outputs": {"json": PERSON}}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+        ({"guided_json": json.dumps(PERSON)}, lambda t: jsonschema.validate(json.loads(t), PERSON)),
+        ({"guided_regex": r"[A-Z]{3}-\d{2}"}, lambda t: re.fullmatch(r"[A-Z]{3}-\d{2}", t) or 1 / 0),
+        ({"structured_outputs": {"regex": r"(up|down)"}}, lambda t: t in ("up", "down") or 1 / 0),
+        ({"guided_choice": ["alpha", "beta"]}, lambda t: t in ("alpha", "beta") or 1 / 0),
+        (
+            {"guided_grammar": 'root ::= "(" [0-9] ("+" [0-9]){0,3} ")"'},
+            lambda t: re.fullmatch(r"\(\d(\+\d){0,3}\)", t) or 1 / 0,
+        ),
+    ]
     for body, check in cases:
-        r = post(srv, "completions", {"prompt": ["Answer:", "Hi"], "max_tokens": 200, "temperature": 1.0,
-                                      "seed": 3, **body})
+        r = post(
+            srv, "completions", {"prompt": ["Answer:", "Hi"], "max_tokens": 200, "temperature": 1.0, "seed": 3, **body}
+        )
         assert r.status_code == 200, r.text
         for choice in r.json()["choices"]:
             assert choice["finish_reason"] == "stop", (body, choice)
@@ -119,8 +146,9 @@ def test_structured_outputs_and_guided_fields_on_completions(srv):
 # ---------------------------------------------------------------------------------- tool calls
 def test_required_tool_choice(client):
     for temperature, seed in [(0.0, None), (1.0, 11), (1.0, 12)]:
-        out = chat(client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
-                   temperature=temperature, seed=seed)
+        out = chat(
+            client, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, temperature=temperature, seed=seed
+        )
         choice = out.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.content is None
         (call,) = choice.message.tool_calls
@@ -138,8 +166,9 @@ def test_named_tool_choice(client):
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
 def test_streamed_tool_calls_accumulate_like_openai(client, tool_choice):
-    content, calls, finish = stream_chat(client, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False,
-                                         temperature=1.0, seed=9)
+    content, calls, finish = stream_chat(
+        client, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, temperature=1.0, seed=9
+    )
     assert finish == "tool_calls" and content == "" and list(calls) == [0]
     call = calls[0]
     assert call["id"].startswith("chatcmpl-tool-") and call["name"] in PARAMS
@@ -155,8 +184,9 @@ def test_auto_tool_choice_parses_hermes_calls(client):
     assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
     assert choice.message.tool_calls[0].function.name == "get_time"
     jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), PARAMS["get_time"])
-    content, calls, finish = stream_chat(client, tools=TOOLS, extra_body={"structured_outputs": {"regex": regex}},
-                                         temperature=0)
+    content, calls, finish = stream_chat(
+        client, tools=TOOLS, extra_body={"structured_outputs": {"regex": regex}}, temperature=0
+    )
     assert finish == "tool_calls" and content.strip() == "Checking." and calls[0]["name"] == "get_time"
     # No call in the text: a plain answer.
     plain = chat(client, tools=TOOLS, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
@@ -165,33 +195,85 @@ def test_auto_tool_choice_parses_hermes_calls(client):
 
 def test_multi_turn_with_tool_results(client):
     history = MESSAGES + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
-    out = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none",
-                                         max_tokens=4, temperature=0)
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "days": 1}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    out = client.chat.completions.create(
+        model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=4, temperature=0
+    )
     assert out.choices[0].message.tool_calls is None
 
 
 # ---------------------------------------------------------------------------------- bad input
-@pytest.mark.parametrize("route, body, param, message", [
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
-        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}}}},
-     "response_format", 'response_format: invalid JSON schema: Unsupported type "strnig"'),
-    ("chat/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
-     None, "needs json_schema.schema"),
-    ("completions", {"guided_regex": "(ab"}, "guided_regex", "guided_regex: invalid regex: .*not closed"),
-    ("completions", {"structured_outputs": {"grammar": "root ::= missing"}}, "structured_outputs",
-     'structured_outputs: invalid grammar: .*Rule "missing" is not defined'),
-    ("completions", {"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list"),
-    ("completions", {"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex",
-     "guided_regex conflicts with guided_json"),
-    ("chat/completions", {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "tool_choice", "names the function 'nope', which is not in tools"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"$ref": "#/$defs/none"}}}}}], "tool_choice": "required"},
-     "tools", "tools: invalid JSON schema"),
-])
+@pytest.mark.parametrize(
+    "route, body, param, message",
+    [
+        (
+            "chat/completions",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}},
+                }
+            },
+            "response_format",
+            'response_format: invalid JSON schema: Unsupported type "strnig"',
+        ),
+        (
+            "chat/completions",
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            None,
+            "needs json_schema.schema",
+        ),
+        ("completions", {"guided_regex": "(ab"}, "guided_regex", "guided_regex: invalid regex: .*not closed"),
+        (
+            "completions",
+            {"structured_outputs": {"grammar": "root ::= missing"}},
+            "structured_outputs",
+            'structured_outputs: invalid grammar: .*Rule "missing" is not defined',
+        ),
+        ("completions", {"guided_choice": []}, "guided_choice", "guided_choice must be a non-empty list"),
+        (
+            "completions",
+            {"guided_json": {"type": "object"}, "guided_regex": "a"},
+            "guided_regex",
+            "guided_regex conflicts with guided_json",
+        ),
+        (
+            "chat/completions",
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+            "names the function 'nope', which is not in tools",
+        ),
+        (
+            "chat/completions",
+            {
+                "tools": [
+                    {
+                        "type": "function",
+                        "function": {
+                            "name": "f",
+                            "parameters": {"type": "object", "properties": {"x": {"$ref": "#/$defs/none"}}},
+                        },
+                    }
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+            "tools: invalid JSON schema",
+        ),
+    ],
+)
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_are_400s(srv, route, body, param, message, stream):
     base = {"messages": MESSAGES} if route.startswith("chat") else {"prompt": "x"}
@@ -218,6 +300,7 @@ def test_engine_side_compile_failure_fails_only_that_request(server_model_dir):
     async def main() -> None:
         engine = AsyncLLM.from_engine_args(EngineArgs(model=str(server_model_dir), max_model_len=256))
         try:
+
             async def no_check(params) -> None:
                 return None
 

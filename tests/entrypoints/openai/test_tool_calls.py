@@ -14,10 +14,16 @@ from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest
 from pagedllm.entrypoints.openai.tool_calls import NamedToolCall, RequiredToolCalls, tool_choice_schema
 from pagedllm.entrypoints.openai.tool_parsers import HermesToolParser, Llama3JsonToolParser
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/unit"}},
-           "required": ["city"], "$defs": {"unit": {"enum": ["c", "f"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "ping"}}]
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/unit"}},
+    "required": ["city"],
+    "$defs": {"unit": {"enum": ["c", "f"]}},
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "ping"}},
+]
 
 
 def request(**kwargs) -> ChatCompletionRequest:
@@ -30,7 +36,7 @@ def streamed(extractor, text: str, seed: int = 0) -> tuple[str, list[dict]]:
     deltas, pos = [], 0
     while pos < len(text):
         size = rng.randint(1, 6)
-        deltas += extractor.feed(text[pos:pos + size])
+        deltas += extractor.feed(text[pos : pos + size])
         pos += size
     deltas += extractor.finish()
     content, calls = "", {}
@@ -58,8 +64,12 @@ def test_required_schema_accepts_calls_of_any_tool_and_hoists_defs():
     assert schema["$defs"] == {"unit": {"enum": ["c", "f"]}}
     good = [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}, {"name": "ping", "parameters": {}}]
     jsonschema.validate(good, schema)
-    for bad in ([], [{"name": "get_weather", "parameters": {"unit": "c"}}], [{"name": "nope", "parameters": {}}],
-                [{"name": "get_weather", "parameters": {"city": "x", "unit": "k"}}]):
+    for bad in (
+        [],
+        [{"name": "get_weather", "parameters": {"unit": "c"}}],
+        [{"name": "nope", "parameters": {}}],
+        [{"name": "get_weather", "parameters": {"city": "x", "unit": "k"}}],
+    ):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     assert tool_choice_schema(request(tools=TOOLS).tools, "required", parallel=False)["maxItems"] == 1
@@ -75,29 +85,46 @@ def test_named_choice_schema_is_the_functions_parameters():
     assert request(tools=TOOLS, tool_choice="none").constraint() == (None, None)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-     "names the function 'nope', which is not in tools"),
-    ({"tool_choice": "required"}, "tool_choice needs tools"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-     "already constrains the output; drop response_format"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "names the function 'nope', which is not in tools",
+        ),
+        ({"tool_choice": "required"}, "tool_choice needs tools"),
+        (
+            {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "already constrains the output; drop response_format",
+        ),
+    ],
+)
 def test_bad_tool_choices(kwargs, message):
     with pytest.raises(RequestParamError, match=message):
         request(**kwargs).constraint()
 
 
 def test_conflicting_defs_are_rejected():
-    other = {"type": "function", "function": {"name": "other", "parameters": {
-        "type": "object", "properties": {"u": {"$ref": "#/$defs/unit"}}, "$defs": {"unit": {"enum": ["k"]}}}}}
+    other = {
+        "type": "function",
+        "function": {
+            "name": "other",
+            "parameters": {
+                "type": "object",
+                "properties": {"u": {"$ref": "#/$defs/unit"}},
+                "$defs": {"unit": {"enum": ["k"]}},
+            },
+        },
+    }
     with pytest.raises(RequestParamError, match=r"different schemas under \$defs/unit"):
         request(tools=[*TOOLS, other], tool_choice="required").constraint()
 
 
 # ------------------------------------------------------------------ forced calls
 def test_required_calls_whole_and_streamed():
-    text = json.dumps([{"name": "get_weather", "parameters": {"city": 'Pa"ris}{', "unit": "c"}},
-                       {"name": "ping", "parameters": {}}])
+    text = json.dumps(
+        [{"name": "get_weather", "parameters": {"city": 'Pa"ris}{', "unit": "c"}}, {"name": "ping", "parameters": {}}]
+    )
     content, calls = RequiredToolCalls().extract(text)
     assert content is None and as_pairs(calls) == [("get_weather", {"city": 'Pa"ris}{', "unit": "c"}), ("ping", {})]
     assert all(c["id"].startswith("chatcmpl-tool-") and c["type"] == "function" for c in calls)
@@ -115,8 +142,10 @@ def test_named_call_streams_argument_deltas():
 
 
 # ------------------------------------------------------------------ auto: parsers
-HERMES_TEXT = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-               '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>')
+HERMES_TEXT = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+    '<tool_call>\n{"name": "ping", "arguments": {}}\n</tool_call>'
+)
 
 
 def test_hermes_parser():
@@ -136,11 +165,14 @@ def test_hermes_parser():
     assert as_pairs(streamed(HermesToolParser(), unclosed)[1]) == [("ping", {})]
 
 
-@pytest.mark.parametrize("text", [
-    '{"name": "get_weather", "parameters": {"city": "Lima"}}',
-    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}',
-    ' {"name": "get_weather", "arguments": {"city": "Lima"}}; {"name": "ping", "parameters": {}}',
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "get_weather", "parameters": {"city": "Lima"}}',
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Lima"}}',
+        ' {"name": "get_weather", "arguments": {"city": "Lima"}}; {"name": "ping", "parameters": {}}',
+    ],
+)
 def test_llama3_json_parser(text):
     content, calls = Llama3JsonToolParser().extract(text)
     assert content is None and as_pairs(calls)[0] == ("get_weather", {"city": "Lima"})

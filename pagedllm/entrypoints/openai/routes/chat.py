@@ -20,7 +20,9 @@ def _handler(state: State) -> OpenAIServingChat:
 
 
 @router.post("/v1/chat/completions")
-async def create_chat_completion(raw_request: Request, handler: Annotated[OpenAIServingChat, Depends(_handler)],
-                                 request: Annotated[ChatCompletionRequest, typed_body(ChatCompletionRequest)]
-                                 ) -> Response:
+async def create_chat_completion(
+    raw_request: Request,
+    handler: Annotated[OpenAIServingChat, Depends(_handler)],
+    request: Annotated[ChatCompletionRequest, typed_body(ChatCompletionRequest)],
+) -> Response:
     return await handler.create_chat_completion(request, raw_request)

@@ -20,6 +20,9 @@ def _handler(state: State) -> OpenAIServingCompletion:
 
 
 @router.post("/v1/completions")
-async def create_completion(raw_request: Request, handler: Annotated[OpenAIServingCompletion, Depends(_handler)],
-                            request: Annotated[CompletionRequest, typed_body(CompletionRequest)]) -> Response:
+async def create_completion(
+    raw_request: Request,
+    handler: Annotated[OpenAIServingCompletion, Depends(_handler)],
+    request: Annotated[CompletionRequest, typed_body(CompletionRequest)],
+) -> Response:
     return await handler.create_completion(request, raw_request)

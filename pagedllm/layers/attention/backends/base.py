@@ -23,8 +23,9 @@ class AttentionBackend(ABC):
         """Once per step: turn the common description into what ``forward`` needs."""
 
     @abstractmethod
-    def forward(self, layer: "Attention", q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                metadata: Any) -> torch.Tensor:
+    def forward(
+        self, layer: Attention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: Any
+    ) -> torch.Tensor:
         """q: [T, H*D], k/v: [T, KVH*D] for the new tokens; returns [T, H*D]."""
 
 

@@ -55,8 +55,7 @@ class TorchAttentionMetadata:
             return None  # plain causal: SDPA's is_causal path
         key = (index, window)
         if key not in self._masks:
-            self._masks[key] = _prefill_mask(seq.end - seq.start, seq.context_len, window,
-                                             seq.kv_slots.device)
+            self._masks[key] = _prefill_mask(seq.end - seq.start, seq.context_len, window, seq.kv_slots.device)
         return self._masks[key]
 
 
@@ -77,8 +76,9 @@ def _prefill_mask(query_len: int, context_len: int, window: int | None, device) 
     return mask
 
 
-def _rowwise_queries(idx: list[int], query_lens: list[int], loc: list[int],
-                     seq_lens: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _rowwise_queries(
+    idx: list[int], query_lens: list[int], loc: list[int], seq_lens: list[int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Split short queries into one decode-style row per token: (flat row, tokens it attends
     to, owning request). Every query token's K/V is written before attention runs, so token j of
     a request attends to its context plus tokens 0..j, exactly the causal mask."""
@@ -100,12 +100,12 @@ class KVCacheWrite(CustomOp):
     """``forward(kv_cache, k, v, slot_mapping)``: scatter new K/V rows into the paged cache; on CPU
     in float32 one C++ call instead of ~8 ops (rows are [T, KVH * D] views of the fused qkv output)."""
 
-    def forward_native(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
+    def forward_native(
+        self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
         write_kv(kv_cache, k, v, slot_mapping)
 
-    def forward_cpu(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+    def forward_cpu(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         self.cpu_ops.write_kv_cache(k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1), kv_cache, slot_mapping)
 
 
@@ -144,12 +144,24 @@ class TorchAttentionBackend(AttentionBackend):
             else:
                 decode_slots = _slots_for(table, int(lens.max()), common.block_size)
         prefills = [
-            PrefillSeq(loc[i], loc[i + 1], seq_lens[i] - query_lens[i],
-                       _slots_for(common.block_table[i:i + 1], seq_lens[i], common.block_size)[0])
+            PrefillSeq(
+                loc[i],
+                loc[i + 1],
+                seq_lens[i] - query_lens[i],
+                _slots_for(common.block_table[i : i + 1], seq_lens[i], common.block_size)[0],
+            )
             for i in prefill_idx
         ]
-        return TorchAttentionMetadata(common.slot_mapping, decode_rows, decode_slots, decode_lens,
-                                      decode_table, prefills, common.num_actual_tokens, all_rowwise=not prefills)
+        return TorchAttentionMetadata(
+            common.slot_mapping,
+            decode_rows,
+            decode_slots,
+            decode_lens,
+            decode_table,
+            prefills,
+            common.num_actual_tokens,
+            all_rowwise=not prefills,
+        )
 
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
         kv_cache = layer.kv_cache
@@ -166,20 +178,32 @@ class TorchAttentionBackend(AttentionBackend):
         for i, seq in enumerate(metadata.prefills):
             keys = key_cache[seq.kv_slots].transpose(0, 1)  # [KVH, L, D]
             values = value_cache[seq.kv_slots].transpose(0, 1)
-            query = q[seq.start:seq.end].transpose(0, 1)  # [H, Lq, D]
+            query = q[seq.start : seq.end].transpose(0, 1)  # [H, Lq, D]
             mask = metadata.prefill_mask(i, layer.sliding_window)
             # 4-D (a batch of one): torch's CPU flash kernel takes only 4-D inputs; 3-D ones fall
             # back to the math path, ~3.5x slower for a 512-token prompt.
-            res = F.scaled_dot_product_attention(query[None], keys[None], values[None], attn_mask=mask,
-                                                 is_causal=mask is None, scale=layer.scale,
-                                                 enable_gqa=num_heads != num_kv_heads)
-            out[seq.start:seq.end] = res[0].transpose(0, 1)
+            res = F.scaled_dot_product_attention(
+                query[None],
+                keys[None],
+                values[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=layer.scale,
+                enable_gqa=num_heads != num_kv_heads,
+            )
+            out[seq.start : seq.end] = res[0].transpose(0, 1)
         return out.view(-1, num_heads * head_dim)
 
     def _decode_kernel(self, layer, q, out, kv_cache, metadata: TorchAttentionMetadata) -> None:
         kernel = self._kernels(q.device).paged_decode_attention
-        args = (kv_cache[0], kv_cache[1], metadata.decode_table, metadata.decode_seq_lens, layer.scale,
-                layer.sliding_window or 0)
+        args = (
+            kv_cache[0],
+            kv_cache[1],
+            metadata.decode_table,
+            metadata.decode_seq_lens,
+            layer.scale,
+            layer.sliding_window or 0,
+        )
         if metadata.all_rowwise:  # the kernel reads the strided q view and writes out directly
             kernel(out, q, *args)
             return
@@ -194,8 +218,12 @@ class TorchAttentionBackend(AttentionBackend):
         keys = key_cache[metadata.decode_slots].transpose(1, 2)  # [Bd, KVH, L, D]
         values = value_cache[metadata.decode_slots].transpose(1, 2)
         query = q[rows].unsqueeze(2)  # [Bd, H, 1, D]
-        res = F.scaled_dot_product_attention(query, keys, values,
-                                             attn_mask=metadata.decode_mask(layer.sliding_window),
-                                             scale=layer.scale,
-                                             enable_gqa=layer.num_heads != layer.num_kv_heads)
+        res = F.scaled_dot_product_attention(
+            query,
+            keys,
+            values,
+            attn_mask=metadata.decode_mask(layer.sliding_window),
+            scale=layer.scale,
+            enable_gqa=layer.num_heads != layer.num_kv_heads,
+        )
         out[rows] = res.squeeze(2)

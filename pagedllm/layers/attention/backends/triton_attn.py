@@ -38,7 +38,9 @@ class TritonAttentionBackend(AttentionBackend):
             query_start_loc=common.query_start_loc.to(torch.int32),
             seq_lens=common.seq_lens.to(torch.int32),
             block_table=common.block_table.to(torch.int32).contiguous(),
-            num_tokens=common.num_actual_tokens, max_query_len=common.max_query_len)
+            num_tokens=common.num_actual_tokens,
+            max_query_len=common.max_query_len,
+        )
 
     def forward(self, layer, q, k, v, metadata: TritonAttentionMetadata) -> torch.Tensor:
         kv_cache = layer.kv_cache
@@ -48,7 +50,18 @@ class TritonAttentionBackend(AttentionBackend):
         reshape_and_cache(key[:n], value[:n], kv_cache[0], kv_cache[1], metadata.slot_mapping)
         query = q.view(-1, num_heads, head_dim)
         out = torch.empty_like(query)
-        paged_attention(out, query, kv_cache[0], kv_cache[1], metadata.block_table, metadata.seq_lens,
-                        metadata.query_start_loc, n, metadata.max_query_len, layer.scale,
-                        layer.sliding_window, self.tiles)
+        paged_attention(
+            out,
+            query,
+            kv_cache[0],
+            kv_cache[1],
+            metadata.block_table,
+            metadata.seq_lens,
+            metadata.query_start_loc,
+            n,
+            metadata.max_query_len,
+            layer.scale,
+            layer.sliding_window,
+            self.tiles,
+        )
         return out.view(-1, num_heads * head_dim)

@@ -30,11 +30,25 @@ def interpreting() -> bool:
 
 
 @triton.jit
-def _reshape_and_cache_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot_ptr,
-                              stride_kt, stride_kh, stride_vt, stride_vh,
-                              stride_cblk, stride_cslot, stride_chead,
-                              block_size, num_kv_heads, head_dim,
-                              KVH_P2: tl.constexpr, D_P2: tl.constexpr):
+def _reshape_and_cache_kernel(
+    k_ptr,
+    v_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_cblk,
+    stride_cslot,
+    stride_chead,
+    block_size,
+    num_kv_heads,
+    head_dim,
+    KVH_P2: tl.constexpr,
+    D_P2: tl.constexpr,
+):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:  # padding token: nothing to write
@@ -52,8 +66,13 @@ def _reshape_and_cache_kernel(k_ptr, v_ptr, key_cache_ptr, value_cache_ptr, slot
     tl.store(value_cache_ptr + dst, value, mask=mask)
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
     """key/value: [T, KVH, D] (last dim contiguous); caches: [num_blocks, block_size, KVH, D]."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -61,21 +80,57 @@ def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.T
     _check_cache(key_cache, value_cache)
     assert key.stride(-1) == 1 and value.stride(-1) == 1, "K/V rows must be contiguous in the head dim"
     _reshape_and_cache_kernel[(num_tokens,)](
-        key, value, key_cache, value_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
-        key_cache.shape[1], num_kv_heads, head_dim,
-        KVH_P2=triton.next_power_of_2(num_kv_heads), D_P2=triton.next_power_of_2(head_dim))
+        key,
+        value,
+        key_cache,
+        value_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        key_cache.shape[1],
+        num_kv_heads,
+        head_dim,
+        KVH_P2=triton.next_power_of_2(num_kv_heads),
+        D_P2=triton.next_power_of_2(head_dim),
+    )
 
 
 @triton.jit
-def _paged_attention_kernel(out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_table_ptr, seq_lens_ptr,
-                            query_start_loc_ptr, scale, num_seqs, window,
-                            stride_qt, stride_qh, stride_ot, stride_oh,
-                            stride_cblk, stride_cslot, stride_chead, stride_bt, head_dim,
-                            QPK: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr, D_P2: tl.constexpr,
-                            SLIDING: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+def _paged_attention_kernel(
+    out_ptr,
+    q_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    scale,
+    num_seqs,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cblk,
+    stride_cslot,
+    stride_chead,
+    stride_bt,
+    head_dim,
+    QPK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    TILE_N: tl.constexpr,
+    D_P2: tl.constexpr,
+    SLIDING: tl.constexpr,
+    IEEE: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
     # Binary search: the last request whose first program (query_start_loc[i] // BLOCK_Q + i) is <= q_block.
@@ -103,8 +158,11 @@ def _paged_attention_kernel(out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, bloc
     row_ok = (offs_m // QPK < BLOCK_Q) & (tok < q_len)
     d_ok = offs_d < head_dim
     rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = context_len + tok
@@ -124,10 +182,12 @@ def _paged_attention_kernel(out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, bloc
         in_seq = pos < kv_end
         blk = tl.load(table + pos // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
         base = blk * stride_cblk + (pos % BLOCK_SIZE) * stride_cslot + cache_head
-        k = tl.load(key_cache_ptr + base[None, :] + offs_d[:, None], mask=in_seq[None, :] & d_ok[:, None],
-                    other=0.0)  # [D, TILE_N]
-        v = tl.load(value_cache_ptr + base[:, None] + offs_d[None, :], mask=in_seq[:, None] & d_ok[None, :],
-                    other=0.0)  # [TILE_N, D]
+        k = tl.load(
+            key_cache_ptr + base[None, :] + offs_d[:, None], mask=in_seq[None, :] & d_ok[:, None], other=0.0
+        )  # [D, TILE_N]
+        v = tl.load(
+            value_cache_ptr + base[:, None] + offs_d[None, :], mask=in_seq[:, None] & d_ok[None, :], other=0.0
+        )  # [TILE_N, D]
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -164,10 +224,20 @@ def attention_tiles(num_queries_per_kv: int, max_query_len: int, head_dim: int) 
     return block_m, max(1, block_m // num_queries_per_kv), tile_n
 
 
-def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                    num_tokens: int, max_query_len: int, scale: float, sliding_window: int | None = None,
-                    tiles: tuple[int, int, int] | None = None) -> None:
+def paged_attention(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    num_tokens: int,
+    max_query_len: int,
+    scale: float,
+    sliding_window: int | None = None,
+    tiles: tuple[int, int, int] | None = None,
+) -> None:
     """out/q: [T, H, D]; caches [num_blocks, block_size, KVH, D]; block_table [B, W] int32;
     seq_lens [B] and query_start_loc [B+1] int32 (seq_len = cached context + this step's tokens)."""
     num_seqs = seq_lens.shape[0]
@@ -182,17 +252,40 @@ def paged_attention(out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor,
     d_p2 = triton.next_power_of_2(head_dim)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, q, key_cache, value_cache, block_table, seq_lens, query_start_loc,
-        float(scale), num_seqs, int(sliding_window or 0),
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), block_table.stride(0), head_dim,
-        QPK=qpk, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=tile_n, D_P2=d_p2,
-        SLIDING=bool(sliding_window), IEEE=q.dtype == torch.float32,
+        out,
+        q,
+        key_cache,
+        value_cache,
+        block_table,
+        seq_lens,
+        query_start_loc,
+        float(scale),
+        num_seqs,
+        int(sliding_window or 0),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        block_table.stride(0),
+        head_dim,
+        QPK=qpk,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+        BLOCK_Q=block_q,
+        TILE_N=tile_n,
+        D_P2=d_p2,
+        SLIDING=bool(sliding_window),
+        IEEE=q.dtype == torch.float32,
         # The interpreter multiplies bf16 as raw uint16 bits in tl.dot: compute in fp32 there.
         UPCAST=interpreting() and q.dtype == torch.bfloat16,
-        num_warps=8 if head_dim >= 256 or block_m >= 128 else 4)
+        num_warps=8 if head_dim >= 256 or block_m >= 128 else 4,
+    )
 
 
 def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor) -> None:
-    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1, \
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1, (
         "key and value caches must share a layout with a contiguous head dim"
+    )
