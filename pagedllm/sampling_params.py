@@ -197,9 +197,14 @@ class SamplingParams:
                 _check(isinstance(value, int) and value >= 0, name, value, "None or an integer >= 0")
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
         _check(
-            all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            self.stop is not None and all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "non-empty strings",
+        )
+        _check(
+            self.stop_token_ids is not None and all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
             self.stop_token_ids,
             "non-negative integers",

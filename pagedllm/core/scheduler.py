@@ -200,10 +200,8 @@ class Scheduler:
 
     def _lookup_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         if request.sampling_params.prompt_logprobs is not None:
-            blocks, num_computed = [], 0  # prompt logprobs need every prompt position computed
-        else:
-            blocks, num_computed = self.kv_cache_manager.get_computed_blocks(request)
-        return blocks, num_computed
+            return [], 0  # prompt logprobs need every prompt position computed
+        return self.kv_cache_manager.get_computed_blocks(request)
 
     def _admit(self, request: Request, num_computed: int, plan: StepPlan) -> None:
         if request.status == RequestStatus.PREEMPTED:

@@ -49,7 +49,7 @@ class AsyncMPClient:
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(self.output_addr)
         self.encoder = msgspec.msgpack.Encoder()
-        self.decoders = {
+        self.decoders: dict[EngineCoreOutputType, msgspec.msgpack.Decoder[Any]] = {
             EngineCoreOutputType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
             EngineCoreOutputType.UTILITY: msgspec.msgpack.Decoder(UtilityResult),
         }
@@ -59,7 +59,7 @@ class AsyncMPClient:
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
 
-    def _start_process(self, config: EngineConfig) -> multiprocessing.Process:
+    def _start_process(self, config: EngineConfig) -> multiprocessing.context.SpawnProcess:
         ctx = multiprocessing.get_context("spawn")  # fork after torch threads start is unsafe
         reader, writer = ctx.Pipe(duplex=False)
         proc = ctx.Process(

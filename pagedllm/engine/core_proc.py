@@ -15,7 +15,7 @@ import os
 import queue
 import signal
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
 import zmq
@@ -150,7 +150,8 @@ class EngineCoreProc:
             return
         payload = decoders[kind].decode(frames[1].buffer) if len(frames) > 1 else None
         if kind is EngineCoreRequestType.CHECK_GRAMMAR:
-            self._check_grammar(*payload)  # compiled off the busy loop; the reply skips it too
+            # compiled off the busy loop; the reply skips it too
+            self._check_grammar(*cast("tuple[int, StructuredOutputsParams]", payload))
         else:
             self.input_queue.put((kind, payload))
 

@@ -117,7 +117,10 @@ class IncrementalDetokenizer:
 
     def decode_token(self, token_id: int) -> str | None:
         """The text of one token on its own (``Logprob.decoded_token``); None without text."""
-        return self._token_texts(token_id) if self.detokenize else None
+        if not self.detokenize:
+            return None
+        assert self._token_texts is not None, "detokenize implies a tokenizer, hence a token text cache"
+        return self._token_texts(token_id)
 
     # ------------------------------------------------------------------ stop strings
     def _check_stop(self, check_from: int) -> str | None:

@@ -58,7 +58,7 @@ def _yarn_correction_dim(num_rotations: float, dim: int, base: float, max_positi
 def _yarn_inv_freq(rope: RopeConfig, dim: int, original_max: int) -> torch.Tensor:
     """YaRN: interpolate low frequencies, extrapolate high ones, linear ramp between."""
     low = math.floor(_yarn_correction_dim(rope.beta_fast or 32, dim, rope.theta, original_max))
-    high = math.ceil(_yarn_correction_dim(rope.beta_slow or 1, dim, rope.theta, original_max))
+    high: float = math.ceil(_yarn_correction_dim(rope.beta_slow or 1, dim, rope.theta, original_max))
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
@@ -91,6 +91,8 @@ class RotaryEmbedding(CustomOp):
     use only the results): on CPU in float32 one C++ call replaces ~14 small torch ops per layer,
     whose dispatch costs more than their arithmetic at decode. Bitwise equal either way.
     """
+
+    cos_sin_cache: torch.Tensor  # a buffer, registered in __init__
 
     def __init__(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -15,6 +16,12 @@ from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_nam
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _MAX_LISTED = 10
+
+
+class _LoadsWeights(Protocol):
+    """The model classes' ``load_weights`` (``nn.Module`` types an attribute as a tensor or module)."""
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]: ...
 
 
 def load_model(
@@ -92,7 +99,7 @@ def _load_checkpoint(model: nn.Module, files: list[Path], model_dir: str | None)
             yield name, tensor
 
     with torch.no_grad():
-        loaded = model.load_weights(tracked())
+        loaded = cast(_LoadsWeights, model).load_weights(tracked())
     check_loaded(model, loaded, seen, where=str(model_dir))
 
 

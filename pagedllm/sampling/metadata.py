@@ -99,15 +99,16 @@ class SamplingMetadata:
 
     def select(self, rows: list[int]) -> SamplingMetadata:
         """The metadata of ``rows`` (indices into this one, repeats allowed), in that order."""
-        index = None
+        index: torch.Tensor | None = None
 
-        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        def take(t: torch.Tensor) -> torch.Tensor:
             nonlocal index
-            if t is None:
-                return None
             if index is None or index.device != t.device:
                 index = torch.tensor(rows, dtype=torch.int64, device=t.device)
             return t.index_select(0, index)
+
+        def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else take(t)
 
         all_greedy, all_random = self.all_greedy or not rows, self.all_random or not rows
         if all_greedy or all_random:
@@ -128,9 +129,9 @@ class SamplingMetadata:
             no_penalties=self.no_penalties,
             prompt_token_ids=pick(self.prompt_token_ids),
             output_token_ids=[self.output_token_ids[r] for r in rows],
-            presence_penalties=pick(self.presence_penalties),
-            frequency_penalties=pick(self.frequency_penalties),
-            repetition_penalties=pick(self.repetition_penalties),
+            presence_penalties=take(self.presence_penalties),
+            frequency_penalties=take(self.frequency_penalties),
+            repetition_penalties=take(self.repetition_penalties),
             min_tokens={new: self.min_tokens[old] for new, old in enumerate(rows) if old in self.min_tokens},
             logit_bias=[self.logit_bias[r] for r in rows],
             allowed_token_ids_mask=pick(self.allowed_token_ids_mask),

@@ -44,7 +44,8 @@ def apply_min_tokens(
     min_tokens: dict[int, tuple[int, set[int]]],
 ) -> torch.Tensor:
     """Ban stop tokens (incl. EOS) for rows that have generated fewer than ``min_tokens``."""
-    rows, cols = [], []
+    rows: list[int] = []
+    cols: list[int] = []
     for row, (minimum, stop_ids) in min_tokens.items():
         if len(output_token_ids[row]) < minimum:
             rows.extend([row] * len(stop_ids))

@@ -116,6 +116,7 @@ class Sampler:
         # The draw divides its input in place: keep an untouched copy only for a caller that wants it.
         drawn = ops.random_sample(probs.clone() if keep_probs else probs, md.generators)
         if greedy is not None:
+            assert md.temperature is not None, "None only when every row is greedy (returned above)"
             drawn = torch.where(md.temperature < SAMPLING_EPS, greedy, drawn)
         return drawn, probs if keep_probs else None
 
@@ -152,6 +153,7 @@ class Sampler:
     def probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
         """The distribution random rows draw from: temperature, top-k/top-p, min-p, softmax.
         Greedy rows come out at temperature 1 (unused). Writes into ``logits``."""
+        assert md.temperature is not None, "called only when some row is random"
         logits = ops.apply_temperature(logits, md.temperature, SAMPLING_EPS)
         logits = ops.apply_top_k_top_p(logits, md.top_k, md.top_p)
         if md.min_p is not None:

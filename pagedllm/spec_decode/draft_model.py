@@ -13,6 +13,8 @@ requests' own sampling metadata.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 import torch
 
@@ -21,6 +23,7 @@ from pagedllm.layers.attention.backends.base import AttentionBackend
 from pagedllm.models.loader import load_model
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.spec_decode.proposer import Proposals, ProposerInputs
+from pagedllm.worker.causal_lm import CausalLM
 from pagedllm.worker.flat_batch import batch_tensors, index_arrays
 from pagedllm.worker.staging import HostStager
 
@@ -35,10 +38,12 @@ class DraftModelProposer:
         stager: HostStager,
     ) -> None:
         spec = config.speculative_config
+        assert spec is not None and spec.draft_arch is not None, "a draft_model speculative config has its arch"
         mc = config.model_config
         self.model = load_model(
             spec.draft_model, spec.draft_arch, load_format=mc.load_format, dtype=dtype, device=device, seed=mc.seed
         )
+        self.lm = cast(CausalLM, self.model)  # the same module, typed for its calls
         self.attn_backend, self.stager = attn_backend, stager
         self.sampler = Sampler()
 
@@ -56,7 +61,7 @@ class DraftModelProposer:
             return proposals
         guesses = np.zeros((len(rooms), int(rooms.max())), dtype=np.int64)
         probs: dict[int, list[torch.Tensor]] = {}
-        logits = self.model.compute_logits(hidden[torch.as_tensor(last_row[active], device=hidden.device)])
+        logits = self.lm.compute_logits(hidden[torch.as_tensor(last_row[active], device=hidden.device)])
         for j in range(guesses.shape[1]):
             guesses[active, j] = self._draw(inputs, active, logits, probs)
             active = active[rooms[active] > j + 1]
@@ -90,11 +95,11 @@ class DraftModelProposer:
             np.ones(len(rows), dtype=np.int64), inputs.num_tokens[rows] + j, inputs.block_table[rows], inputs.block_size
         )
         arrays["input_ids"] = tokens
-        return self.model.compute_logits(self._forward(arrays, inputs.block_size))
+        return self.lm.compute_logits(self._forward(arrays, inputs.block_size))
 
     def _forward(self, arrays: dict[str, np.ndarray], block_size: int) -> torch.Tensor:
         input_ids, positions, attn = batch_tensors(arrays, self.stager.stage(arrays), block_size)
-        return self.model(input_ids, positions, self.attn_backend.build_metadata(attn))
+        return self.lm(input_ids, positions, self.attn_backend.build_metadata(attn))
 
     def _draw(
         self, inputs: ProposerInputs, active: np.ndarray, logits: torch.Tensor, probs: dict[int, list[torch.Tensor]]

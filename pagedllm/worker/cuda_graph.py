@@ -28,6 +28,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.layers.attention.backends.base import AttentionBackend
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 from pagedllm.worker.batch_inputs import BatchInputs
+from pagedllm.worker.causal_lm import CausalLM
 
 MAX_CAPTURE_SIZE = 256  # larger decode batches are compute-bound enough to run eagerly
 
@@ -62,7 +63,7 @@ class Graph(Protocol):
 class TorchCudaGraph:
     """A ``torch.cuda.CUDAGraph`` whose memory comes from a pool shared by every captured size."""
 
-    def __init__(self, pool: tuple) -> None:
+    def __init__(self, pool: torch.cuda._POOL_HANDLE) -> None:
         self.graph = torch.cuda.CUDAGraph()
         self.pool = pool
 
@@ -153,7 +154,7 @@ class CudaGraphRunner:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: CausalLM,
         backend: AttentionBackend,
         sizes: list[int],
         width: int,
@@ -195,6 +196,7 @@ class CudaGraphRunner:
         """Hidden states ``[n, hidden]`` for an eligible batch; a view valid until the next replay."""
         n = batch.attn.num_reqs
         size = padded_size(n, self.sizes)
+        assert size is not None, "can_run() first: the batch fits the largest graph"
         self.inputs.load(batch, size)
         self.graphs[size].replay()
         self.num_replays += 1

@@ -8,7 +8,7 @@ if speculating, guesses the next tokens from explicit inputs.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -21,6 +21,7 @@ from pagedllm.spec_decode.factory import make_proposer
 from pagedllm.spec_decode.proposer import Proposer
 from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.batch_inputs import BatchInputs
+from pagedllm.worker.causal_lm import CausalLM
 from pagedllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graphs_enabled
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layers import attention_layers, bind_kv_caches
@@ -49,16 +50,27 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size, self.vocab_size, HostStager(device))
         self.sampler = Sampler()
         self.attn_backend = get_attn_backend(device.type, config.attention_backend)
-        self.model: torch.nn.Module | None = None
+        self._model: CausalLM | None = None  # the target: ``model`` once loaded
         self.models: list[torch.nn.Module] = []  # every model with KV: the target, then a draft model
         self.kv_caches: list[torch.Tensor] = []
         self.proposer: Proposer | None = None  # speculative decoding: set up in load_model
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps replay these (CUDA)
 
+    @property
+    def model(self) -> CausalLM:
+        """The target model (replaceable by a stand-in, e.g. the benchmark's timed wrapper)."""
+        if self._model is None:
+            raise RuntimeError("load_model() first")
+        return self._model
+
+    @model.setter
+    def model(self, model: CausalLM) -> None:
+        self._model = model
+
     # ------------------------------------------------------------------ set-up
     def load_model(self) -> None:
         mc = self.config.model_config
-        self.model = load_model(
+        model = load_model(
             mc.model,
             mc.arch,
             load_format=mc.load_format,
@@ -67,8 +79,9 @@ class ModelRunner:
             seed=mc.seed,
             quantization=mc.quantization,
         )
+        self._model = cast(CausalLM, model)
         self.proposer = make_proposer(self.config, self.device, self.dtype, self.attn_backend, self.input_batch.stager)
-        self.models = [self.model, *(self.proposer.models if self.proposer is not None else [])]
+        self.models = [model, *(self.proposer.models if self.proposer is not None else [])]
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Give every attention layer of every model its own cache over the same block ids."""
@@ -130,6 +143,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         if grammar_bitmask is not None:  # constrained rows only (never speculated)
             apply_grammar_bitmask(logits, grammar_bitmask, batch.logits_req_ids)
+        assert batch.sampling is not None, "called only for steps that sample"
         result = self.sampler.sample(logits, batch.sampling, batch.drafts)
         emitted = result.token_ids
         self.input_batch.record_sampled(batch, emitted)
@@ -143,10 +157,11 @@ class ModelRunner:
         self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], output: ModelRunnerOutput
     ) -> None:
         """Guess the next tokens of the requests that just sampled (speculative decoding)."""
-        spec = self.config.speculative_config
+        spec, proposer = self.config.speculative_config, self.proposer
+        assert spec is not None and proposer is not None, "a proposer exists only with a speculative config"
         inputs = self.input_batch.proposer_inputs(
             batch, hidden, emitted, spec.num_speculative_tokens, self.config.model_config.max_model_len
         )
-        proposals = self.proposer.propose(inputs)
+        proposals = proposer.propose(inputs)
         self.input_batch.set_proposals(batch, proposals)
         output.spec_token_ids = proposals.token_ids

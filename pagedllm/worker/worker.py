@@ -164,7 +164,7 @@ def profile_forward(runner: ModelRunner, config: EngineConfig) -> None:
     sched = config.scheduler_config
     lengths = profile_lengths(sched.max_num_batched_tokens, config.model_config.max_model_len, sched.max_num_seqs)
     block_size = runner.block_size
-    for layer in attention_layers([runner.model]):
+    for layer in attention_layers(runner.models[:1]):  # the target's
         scratch = torch.zeros(
             2, 1, block_size, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype, device=runner.device
         )

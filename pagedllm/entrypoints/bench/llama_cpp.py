@@ -212,7 +212,8 @@ def continuous_batching(path: Path, requests: Sequence[BenchRequest], slots: int
     n_batch = max(2048, max(len(r.prompt_token_ids) for r in requests) + slots)
     llm = LlamaCpp(path, slots, longest + 8, n_batch)
     try:
-        queue, active = deque(requests), {}
+        queue = deque(requests)
+        active: dict[int, _Slot] = {}
         start = time.perf_counter()
         while queue or active:
             entries: list[Entry] = [(100, st.pos, seq, True) for seq, st in active.items()]

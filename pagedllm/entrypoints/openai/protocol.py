@@ -264,7 +264,7 @@ class CompletionRequest(_SamplingRequest):
         """The prompt as a list of single prompts (a string or a list of token ids each)."""
         prompt = self.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
-            return [prompt]  # type: ignore[list-item]  # a list whose first item is an int: token ids
+            return [prompt]  # a list whose first item is an int: token ids
         return list(prompt)  # type: ignore[arg-type]  # list[str] | list[list[int]]
 
     def to_sampling_params(self) -> SamplingParams:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Protocol, cast
 
 import torch
 from torch import nn
@@ -98,6 +99,14 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([body, tail])
 
 
+class _Int8Layer(Protocol):
+    """The attributes of a layer this method owns (``nn.Module`` types them as tensor or module)."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    quant_method: LinearMethodBase
+
+
 def _not_quantized_yet(
     x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
@@ -126,7 +135,8 @@ class Int8LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self._kernel is not _not_quantized_yet:
             return
-        w = layer.weight.data
+        typed = cast(_Int8Layer, layer)
+        w = typed.weight.data
         if not can_quantize(w):
             logger.warning(
                 "int8 quantization skipped for a %s weight of shape %s (needs the CPU kernels, "
@@ -135,17 +145,18 @@ class Int8LinearMethod(LinearMethodBase):
                 tuple(w.shape),
                 w.dtype,
             )
-            layer.quant_method = UnquantizedLinearMethod()
-            layer.quant_method.process_weights_after_loading(layer)
+            typed.quant_method = UnquantizedLinearMethod()
+            typed.quant_method.process_weights_after_loading(layer)
             return
-        packed, layer.weight_scale = quantize_and_pack(w)
-        layer.weight = nn.Parameter(packed, requires_grad=False)
+        packed, typed.weight_scale = quantize_and_pack(w)
+        typed.weight = nn.Parameter(packed, requires_grad=False)
         kernel = load_int8_gemm()
         assert kernel is not None, "can_quantize checked that the kernel built"
         self._kernel = kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._kernel(x, layer.weight, layer.weight_scale, bias)
+        typed = cast(_Int8Layer, layer)
+        return self._kernel(x, typed.weight, typed.weight_scale, bias)
 
 
 class Int8Config(QuantizationConfig):

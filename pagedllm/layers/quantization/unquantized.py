@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -101,13 +102,14 @@ class UnquantizedLinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.layout is not None:  # already converted: the weight is no longer the plain matrix
             return
-        self.layout = choose_layout(layer.weight.data)
+        weight = cast(torch.Tensor, layer.weight)  # create_weights registered it
+        self.layout = choose_layout(weight.data)
         if self.layout is not PLAIN:
-            layer.weight = nn.Parameter(self.layout.convert(layer.weight.data), requires_grad=False)
+            layer.weight = nn.Parameter(self.layout.convert(weight.data), requires_grad=False)
         self._kernel = self.layout.kernel()
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._kernel(x, layer.weight, bias)
+        return self._kernel(x, cast(torch.Tensor, layer.weight), bias)
 
 
 class UnquantizedConfig(QuantizationConfig):

@@ -46,7 +46,9 @@ class TorchAttentionMetadata:
     def decode_mask(self, window: int | None) -> torch.Tensor:
         key = ("decode", window)
         if key not in self._masks:
-            self._masks[key] = _decode_mask(self.decode_seq_lens, self.decode_slots.shape[1], window)
+            seq_lens, slots = self.decode_seq_lens, self.decode_slots
+            assert seq_lens is not None and slots is not None, "the gather path's decode metadata"
+            self._masks[key] = _decode_mask(seq_lens, slots.shape[1], window)
         return self._masks[key]
 
     def prefill_mask(self, index: int, window: int | None) -> torch.Tensor | None:
@@ -208,6 +210,7 @@ class TorchAttentionBackend(AttentionBackend):
             kernel(out, q, *args)
             return
         rows = metadata.decode_rows
+        assert rows is not None, "set whenever the batch has decode rows"
         result = torch.empty((rows.shape[0], *q.shape[1:]), dtype=q.dtype, device=q.device)
         kernel(result, q[rows], *args)
         out[rows] = result

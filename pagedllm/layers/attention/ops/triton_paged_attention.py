@@ -175,7 +175,8 @@ def _paged_attention_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, D_P2], 0.0, tl.float32)
     qk_scale = scale * 1.4426950408889634  # exp2 below
-    table = block_table_ptr + seq.to(tl.int64) * stride_bt
+    # A tl.tensor when compiled; mypy types it from the Python literal `left = 0`.
+    table = block_table_ptr + seq.to(tl.int64) * stride_bt  # type: ignore[attr-defined]
     cache_head = kv_head.to(tl.int64) * stride_chead
     for start in range(kv_begin, kv_end, TILE_N):
         pos = start + offs_n
