@@ -34,23 +34,9 @@ from typing import Any
 import torch
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.entrypoints.bench.common import SMOLLM_135M_SHAPE
 from pagedllm.sampling_params import StructuredOutputsParams
 
-SMOLLM_135M_SHAPE: dict[str, Any] = dict(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_hidden_layers=30,
-    num_attention_heads=9,
-    num_key_value_heads=3,
-    head_dim=64,
-    max_position_embeddings=2048,
-    tie_word_embeddings=True,
-    rms_norm_eps=1e-5,
-    bos_token_id=0,
-    eos_token_id=1,
-    pad_token_id=2,
-)
 _WEIGHT_FILES = {"config.json", "generation_config.json", "model.safetensors", "README.md"}
 
 SCHEMAS: list[dict[str, Any]] = [

@@ -238,7 +238,7 @@ class SamplingParams:
     # ------------------------------------------------------------------ helpers
     @property
     def sampling_type_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
     def clone(self, **changes: Any) -> SamplingParams:
         new = copy.deepcopy(self)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from pagedllm.config.cache import CacheArgs, CacheConfig
+from pagedllm.config.cache import DEFAULT_CPU_KV_CACHE_GIB, CacheArgs, CacheConfig
 from pagedllm.config.choices import USAGE_CONTEXTS
 from pagedllm.config.device import DeviceArgs
 from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
@@ -106,8 +106,9 @@ def check_kv_budget(config: EngineConfig) -> None:
     needed = config.blocks_per_max_len_request() + 1  # + the null block, as the worker counts it
     if blocks < needed:
         need_gib = needed * config.kv_bytes_per_block() / GiB
+        default = " (the CPU default)" if memory == int(DEFAULT_CPU_KV_CACHE_GIB * GiB) else ""
         raise ValueError(
-            f"kv_cache_memory={memory / GiB:.3g} GiB holds {blocks} blocks of "
+            f"kv_cache_memory={memory / GiB:.3g} GiB{default} holds {blocks} blocks of "
             f"{config.cache_config.block_size} tokens, but one request of max_model_len="
             f"{config.model_config.max_model_len} needs {needed} blocks ({need_gib:.3g} GiB); "
             "raise kv_cache_memory or lower max_model_len"

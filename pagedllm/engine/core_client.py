@@ -10,6 +10,7 @@ import multiprocessing
 import os
 import tempfile
 import uuid
+from collections import OrderedDict
 from typing import Any
 
 import msgspec
@@ -33,6 +34,11 @@ logger = logging.getLogger(__name__)
 _START_TIMEOUT_S = 600
 
 
+# As many as the engine's compiler keeps compiled (structured_output/compiler.py): an accepted
+# constraint the engine has since dropped is compiled again there, off the step loop.
+_ACCEPTED_GRAMMARS = 512
+
+
 class EngineDeadError(RuntimeError):
     """The engine-core process is gone; in-flight requests cannot complete."""
 
@@ -54,6 +60,9 @@ class AsyncMPClient:
             EngineCoreOutputType.UTILITY: msgspec.msgpack.Decoder(UtilityResult),
         }
         self.grammar_timeout_s = config.structured_outputs_config.compile_timeout_s
+        # Constraints the engine accepted (most recent last): a request that repeats one, or the
+        # second check of the same request (the handler's, then add_request's), costs no round trip.
+        self._accepted_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.capacity: dict = {}
         self.proc = self._start_process(config)
         self._call_ids = itertools.count()
@@ -108,6 +117,10 @@ class AsyncMPClient:
         """Have the engine compile ``params`` (off its busy loop): the one compile of a server's
         constraint, which the engine keeps for the request that follows. ValueError (the front
         end's 400) if it is invalid or does not compile within the time limit."""
+        key = params.key()
+        if key in self._accepted_grammars:
+            self._accepted_grammars.move_to_end(key)
+            return
         call_id, future = self._new_call()
         await self._send(EngineCoreRequestType.CHECK_GRAMMAR, (call_id, params))
         try:
@@ -117,6 +130,9 @@ class AsyncMPClient:
             raise GrammarTimeoutError(params.kind, self.grammar_timeout_s) from None
         if message is not None:
             raise ValueError(message)
+        self._accepted_grammars[key] = None
+        if len(self._accepted_grammars) > _ACCEPTED_GRAMMARS:
+            self._accepted_grammars.popitem(last=False)
 
     def _new_call(self) -> tuple[int, asyncio.Future]:
         call_id = next(self._call_ids)

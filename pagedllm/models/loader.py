@@ -9,12 +9,12 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
+from pagedllm.config.choices import LOAD_FORMATS
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
 from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, safetensors_files
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 _MAX_LISTED = 10
 
 

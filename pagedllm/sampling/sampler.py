@@ -94,7 +94,9 @@ class Sampler:
         if drafts is not None:
             return self._verify(logits, metadata, drafts)
         sampled, _ = self.draw(logits, metadata)
-        return SamplerOutput([[t] for t in sampled.tolist()], self._logprobs(logits, metadata, sampled), sampled)
+        # Queue the logprobs kernels before .tolist() waits for the device (one sync per step).
+        logprobs = self._logprobs(logits, metadata, sampled)
+        return SamplerOutput([[t] for t in sampled.tolist()], logprobs, sampled)
 
     def draw(
         self,

@@ -68,7 +68,7 @@ class DraftModelProposer:
             if not active.size:
                 break
             logits = self._feed_back(inputs, active, guesses[active, j], j)
-        req_ids = [inputs.req_ids[row] for row in inputs.sample_rows.tolist()]
+        req_ids = [inputs.req_ids[row] for row in inputs.sample_batch_rows.tolist()]
         for i, room in enumerate(rooms.tolist()):
             if room:
                 proposals.token_ids[req_ids[i]] = guesses[i, :room].tolist()
@@ -80,16 +80,18 @@ class DraftModelProposer:
         accepted proposals and the new token), so the draft's KV covers every computed token.
         Returns the hidden states and, per sampling request, the row of its last token."""
         ends = inputs.starts + inputs.num_scheduled
-        ends[inputs.sample_rows] = inputs.num_tokens[inputs.sample_rows]  # rejected proposals out, emitted in
+        ends[inputs.sample_batch_rows] = inputs.num_tokens[
+            inputs.sample_batch_rows
+        ]  # rejected proposals out, emitted in
         counts = ends - inputs.starts
         arrays, req_of_token = index_arrays(counts, inputs.starts, inputs.block_table, inputs.block_size)
         arrays["input_ids"] = inputs.token_ids[req_of_token, arrays["positions"]]
         hidden = self._forward(arrays, inputs.block_size)
-        return hidden, arrays["query_start_loc"][inputs.sample_rows + 1] - 1
+        return hidden, arrays["query_start_loc"][inputs.sample_batch_rows + 1] - 1
 
     def _feed_back(self, inputs: ProposerInputs, active: np.ndarray, tokens: np.ndarray, j: int) -> torch.Tensor:
         """One decode step of the draft on its own latest guess for each request still going."""
-        rows = inputs.sample_rows[active]
+        rows = inputs.sample_batch_rows[active]
         # The emitted token sits at num_tokens - 1; guess j + 1 goes right after guess j.
         arrays, _ = index_arrays(
             np.ones(len(rows), dtype=np.int64), inputs.num_tokens[rows] + j, inputs.block_table[rows], inputs.block_size
@@ -107,7 +109,7 @@ class DraftModelProposer:
         """One guess per active request through the Sampler (argmax for greedy requests); the
         distributions of the random ones are kept for the verifier."""
         assert inputs.sampling is not None, "requests with room sampled this step: their metadata exists"
-        md = inputs.sampling.select(inputs.sample_rows[active].tolist())
+        md = inputs.sampling.select(inputs.sample_batch_rows[active].tolist())
         tokens, drawn_from = self.sampler.draw(logits, md, keep_probs=True)
         if drawn_from is not None:
             for i, (request, greedy) in enumerate(zip(active.tolist(), md.greedy)):

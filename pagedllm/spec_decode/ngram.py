@@ -106,7 +106,7 @@ class NgramSpecProposer:
 
     def propose(self, inputs: ProposerInputs) -> Proposals:
         proposals = Proposals()
-        rows, rooms = inputs.sample_rows.tolist(), inputs.max_proposals.tolist()
+        rows, rooms = inputs.sample_batch_rows.tolist(), inputs.max_proposals.tolist()
         for row, room in zip(rows, rooms):
             tokens = self.ngram.propose(inputs.token_ids[row, : inputs.num_tokens[row]], room) if room else []
             if tokens:

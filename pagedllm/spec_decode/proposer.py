@@ -33,7 +33,7 @@ class ProposerInputs:
     block_table: np.ndarray  # [rows, blocks] the KV blocks (shared by every model), 0-padded
     block_size: int
     hidden_states: torch.Tensor  # [T, hidden] the target's last hidden states, T = num_scheduled.sum()
-    sample_rows: np.ndarray  # [S] batch rows of the requests that sampled, in order
+    sample_batch_rows: np.ndarray  # [S] batch rows of the requests that sampled, in order
     emitted: list[list[int]]  # per sampling request: the tokens it emitted this step
     max_proposals: np.ndarray  # [S] how many proposals each sampling request may get (0: none)
     sampling: SamplingMetadata | None  # one row per batch row (``select`` the ones needed); None: S = 0

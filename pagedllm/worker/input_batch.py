@@ -258,7 +258,7 @@ class InputBatch:
             block_table=self._table(),
             block_size=self.block_size,
             hidden_states=hidden,
-            sample_rows=rows,
+            sample_batch_rows=rows,
             emitted=emitted,
             max_proposals=np.asarray(rooms, dtype=np.int64),
             sampling=self.row_metadata() if states else None,

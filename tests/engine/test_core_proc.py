@@ -245,6 +245,15 @@ def test_a_server_compiles_each_constraint_once(config, core, compiles, monkeypa
 
     async def main() -> None:
         engine = async_llm.AsyncLLM(config)
+        checks: list[Any] = []
+        send = engine.client._send
+
+        async def counting_send(kind, payload):
+            if kind == EngineCoreRequestType.CHECK_GRAMMAR:
+                checks.append(payload)
+            await send(kind, payload)
+
+        engine.client._send = counting_send
         try:
             params = SamplingParams(max_tokens=60, n=2, temperature=1.0, seed=3, structured_outputs={"json": PERSON})
             await engine.check_structured_outputs(params)  # the server's 400 check
@@ -252,6 +261,7 @@ def test_a_server_compiles_each_constraint_once(config, core, compiles, monkeypa
             for completion in final.outputs:
                 jsonschema.validate(json.loads(completion.text), PERSON)
             assert len(compiles) == 1
+            assert len(checks) == 1  # generate's own check found the verdict: no second round trip
             bad = SamplingParams(max_tokens=8, structured_outputs={"json": {"type": "strnig"}})
             with pytest.raises(ValueError, match='invalid JSON schema: .*Unsupported type "strnig"'):
                 await engine.check_structured_outputs(bad)

@@ -35,9 +35,9 @@ class CheckingProposer:
 
     def propose(self, inputs: ProposerInputs) -> Proposals:
         _check_inputs(inputs)
-        self.num_sampled.append(len(inputs.sample_rows))
+        self.num_sampled.append(len(inputs.sample_batch_rows))
         proposals = Proposals()
-        for i, row in enumerate(inputs.sample_rows.tolist()):
+        for i, row in enumerate(inputs.sample_batch_rows.tolist()):
             room = int(inputs.max_proposals[i])
             if room:
                 proposals.token_ids[inputs.req_ids[row]] = [inputs.emitted[i][-1]] * room
@@ -47,12 +47,12 @@ class CheckingProposer:
 def _check_inputs(inputs: ProposerInputs) -> None:
     assert not any(isinstance(getattr(inputs, f.name), ModelRunner) for f in dataclasses.fields(inputs))
     assert inputs.hidden_states.shape[0] == int(inputs.num_scheduled.sum())
-    assert len(inputs.emitted) == len(inputs.sample_rows) == len(inputs.max_proposals)
+    assert len(inputs.emitted) == len(inputs.sample_batch_rows) == len(inputs.max_proposals)
     assert all(0 <= room <= K for room in inputs.max_proposals.tolist())
-    for i, row in enumerate(inputs.sample_rows.tolist()):
+    for i, row in enumerate(inputs.sample_batch_rows.tolist()):
         tokens = inputs.token_ids[row, : inputs.num_tokens[row]].tolist()
         assert tokens[len(tokens) - len(inputs.emitted[i]) :] == inputs.emitted[i]  # the row ends with them
-    if len(inputs.sample_rows):
+    if len(inputs.sample_batch_rows):
         assert inputs.sampling is not None and inputs.sampling.num_rows == len(inputs.req_ids)
 
 
@@ -84,7 +84,7 @@ def _inputs(rows: list[list[int]], rooms: list[int]) -> ProposerInputs:
         block_table=np.ones((n, 1), dtype=np.int64),
         block_size=16,
         hidden_states=torch.zeros(n, 4),
-        sample_rows=np.arange(n),
+        sample_batch_rows=np.arange(n),
         emitted=[[r[-1]] for r in rows],
         max_proposals=np.array(rooms),
         sampling=None,

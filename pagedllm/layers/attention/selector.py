@@ -9,9 +9,10 @@ from __future__ import annotations
 import importlib.util
 
 from pagedllm import envs
+from pagedllm.config.choices import ATTENTION_BACKENDS
 from pagedllm.layers.attention.backends.base import AttentionBackend
 
-BACKEND_CHOICES = ("auto", "torch", "triton")
+BACKEND_CHOICES = ATTENTION_BACKENDS  # the config's table: the CLI offers these
 
 
 def triton_available() -> bool:
