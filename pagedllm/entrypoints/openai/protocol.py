@@ -281,27 +281,6 @@ class CompletionRequest(_SamplingRequest):
         return self.structured_outputs_params()
 
 
-class TokenizeRequest(ChatTemplateRequest):
-    """POST /tokenize: a ``prompt``, or chat ``messages`` (with the chat fields: tools,
-    chat_template_kwargs, ...) rendered exactly as a chat completion renders them."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None  # type: ignore[assignment]  # optional here
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
-
-    def check_input(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestParamError("pass exactly one of 'prompt' (a string) or 'messages' (a chat)", "prompt")
-
-
-class DetokenizeRequest(OpenAIBaseModel):
-    """POST /detokenize."""
-
-    model: str | None = None
-    tokens: list[int]
-
-
 def _parse_logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     if bias is None:
         return None

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import APIRouter
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, value_error
-from pagedllm.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
+from pagedllm.entrypoints.openai.protocol_tokenize import DetokenizeRequest, TokenizeRequest
 from pagedllm.entrypoints.openai.request_body import typed_body
 from pagedllm.entrypoints.openai.server_state import ServerState, State
 
