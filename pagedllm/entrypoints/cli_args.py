@@ -51,6 +51,29 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         group.add_argument(*names, **argparse_kwargs(f, info, hints[f.name]))
 
 
+def add_engine_fields(
+    group: argparse._ActionsContainer,
+    names: list[str],
+    defaults: dict[str, Any] | None = None,
+    notes: dict[str, str] | None = None,
+) -> None:
+    """Flags for some :class:`EngineArgs` fields only (the benchmarks' engine flags): the same
+    type, choices and help as ``serve``'s, with ``defaults`` overriding a field's default and
+    ``notes`` appended to its help."""
+    defaults, notes = defaults or {}, notes or {}
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    hints = typing.get_type_hints(EngineArgs)
+    for name in names:
+        f, info = fields[name], option_info(fields[name])
+        kwargs = argparse_kwargs(f, info, hints[name])
+        if name in defaults:
+            kwargs["default"] = defaults[name]
+            kwargs["help"] = f"{info.help} (default: {defaults[name]})".replace("%", "%%")
+        if name in notes:
+            kwargs["help"] += f"; {notes[name]}"
+        group.add_argument(flag_name(name), **kwargs)
+
+
 def argparse_kwargs(f: dataclasses.Field, info: OptionInfo, hint: Any) -> dict[str, Any]:
     """``add_argument`` keywords for one field: dest, default, type/action, choices, help."""
     kwargs: dict[str, Any] = {"default": f.default, "help": help_text(f, info)}

@@ -173,3 +173,26 @@ def test_generate_and_serve_take_the_model_as_positional(tmp_path) -> None:
     assert parser.parse_args(["serve", str(tmp_path)]).model == str(tmp_path)
     assert parser.parse_args(["generate", "--prompt", "hi", str(tmp_path)]).model == str(tmp_path)
     assert parser.parse_args(["serve"]).model is None
+
+
+def _subparser(parser: argparse.ArgumentParser, *path: str) -> argparse.ArgumentParser:
+    for name in path:
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = sub.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("bench", ["latency", "throughput", "prefix", "serve"])
+def test_bench_engine_flags_are_the_config_fields(bench: str) -> None:
+    """The benchmarks' engine flags come from the same fields: same type and choices as serve's,
+    only the defaults a benchmark needs differ."""
+    serve = _actions(_serve_parser())
+    parser = _subparser(build_parser(), "bench", bench)
+    shared = {dest: a for dest, a in _actions(parser).items() if dest in _fields() and dest != "model"}
+    assert shared, "no engine flag found"
+    for dest, action in shared.items():
+        assert action.option_strings[0] == serve[dest].option_strings[0]
+        assert list(action.choices or []) == list(serve[dest].choices or []), dest
+        assert action.type == serve[dest].type, dest
+    if "dtype" in shared:
+        assert shared["dtype"].default == "float32"  # the bench's own default: the fastest on CPU

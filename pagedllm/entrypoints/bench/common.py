@@ -15,13 +15,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config.choices import DEVICES, LOAD_FORMATS, QUANTIZATION_METHODS, canonical_dtype
+from pagedllm.config.choices import LOAD_FORMATS, canonical_dtype
 from pagedllm.entrypoints.bench.datasets import (
     BenchRequest,
     long_prompt_mix_requests,
     prefix_sharing_requests,
     random_requests,
 )
+from pagedllm.entrypoints.cli_args import add_engine_fields
 
 # SmolLM-135M's shape; token ids 0..2 match the demo tokenizer copied next to it.
 SMOLLM_135M_SHAPE: dict[str, Any] = dict(
@@ -113,25 +114,23 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
         choices=LOAD_FORMATS,
         help="default: dummy for the default model, auto for --model",
     )
-    p.add_argument("--dtype", default="float32", help="model dtype (default float32: fastest on CPU)")
-    p.add_argument("--device", default="cpu", choices=DEVICES)
-    p.add_argument("--seed", type=int, default=0, help="seeds requests, dummy weights and baselines")
+    add_engine_fields(
+        p,
+        ["dtype", "device", "seed"],
+        defaults={"dtype": "float32", "device": "cpu"},
+        notes={"dtype": "float32 is the fastest on CPU", "seed": "also seeds the requests and the baselines"},
+    )
     p.add_argument("--output-json", default=None, metavar="PATH", help="also write the JSON report here")
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
-    g = p.add_argument_group("engine")
-    g.add_argument("--max-num-seqs", type=int, default=max_num_seqs)
-    g.add_argument("--max-num-batched-tokens", type=int, default=None)
-    g.add_argument("--kv-cache-memory", type=float, default=None, help="GiB (CPU); engine default if unset")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument(
-        "--quantization",
-        default=None,
-        choices=QUANTIZATION_METHODS,
-        help="weight-only int8 linears (CPU); the floors still count float32 weight bytes",
+    names = ["max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "quantization"]
+    add_engine_fields(
+        p.add_argument_group("engine"),
+        [*names, "enforce_eager"],
+        defaults={"max_num_seqs": max_num_seqs},
+        notes={"quantization": "the floors still count float32 weight bytes"},
     )
-    g.add_argument("--enforce-eager", action="store_true", help="CUDA: no CUDA graphs")
 
 
 def add_limits_args(p: argparse.ArgumentParser) -> None:
