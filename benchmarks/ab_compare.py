@@ -79,18 +79,28 @@ def mixed_figures(report: dict) -> dict[str, float]:
     return {"mixed 64 useful tok/s": rows[0]["output_tokens_per_s"]}
 
 
+BENCHMARKS = {"latency": (LATENCY, latency_figures), "mixed": (MIXED, mixed_figures)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="git ref of the baseline")
     p.add_argument("--new", default="HEAD", help="git ref under test (default HEAD)")
     p.add_argument("--rounds", type=int, default=3, help="base/new pairs per benchmark (default 3)")
+    p.add_argument(
+        "--benchmarks",
+        nargs="+",
+        choices=sorted(BENCHMARKS),
+        default=sorted(BENCHMARKS),
+        help="which to run (default: both)",
+    )
     p.add_argument("--output-json", default=None, metavar="PATH")
     args = p.parse_args()
     samples: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     with tempfile.TemporaryDirectory(prefix="pagedllm-ab-") as tmp:
         trees = {side: checkout(getattr(args, side), Path(tmp) / side) for side in ("base", "new")}
         try:
-            for bench, parse in ((LATENCY, latency_figures), (MIXED, mixed_figures)):
+            for bench, parse in (BENCHMARKS[name] for name in args.benchmarks):
                 for i in range(args.rounds):
                     order = ("base", "new") if i % 2 == 0 else ("new", "base")
                     for side in order:
