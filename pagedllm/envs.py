@@ -26,6 +26,11 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("PAGEDLLM_DEVICE", "", "device used when --device is auto: cpu or cuda (default: cuda if present)"),
         EnvVar("PAGEDLLM_CACHE", "", "where the demo model is built (default ~/.cache/pagedllm)"),
         EnvVar("PAGEDLLM_CPU_KERNELS", "1", "0 turns every C++ CPU kernel off (the torch / oneDNN paths run)"),
+        EnvVar(
+            "PAGEDLLM_CPU_ISA",
+            "native",
+            "CPU kernel build: native (the best this CPU runs), avx512, avx2, neon or portable",
+        ),
         EnvVar("PAGEDLLM_CPU_GEMM", "1", "0 turns only the packed fp32 GEMM kernel off (oneDNN then runs)"),
         EnvVar("PAGEDLLM_ONEDNN", "1", "0 keeps fp32 weights out of oneDNN's prepacked layout"),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),

@@ -14,6 +14,8 @@
 
 namespace {
 
+using namespace pagedllm_vec;
+
 // Rotate every head of one token row. No FMA contraction here: rounding each product like torch
 // does keeps the result bitwise equal to the reference (and to Hugging Face) in float32.
 __attribute__((optimize("fp-contract=off")))
@@ -59,9 +61,8 @@ void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key,
   });
 }
 
-// x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up. The AVX-512 build computes exp with
-// its own polynomial (cpu_vec.h; relative error a few ulp, far below the fp32 matmuls around
-// it); the scalar loop serves other CPUs and the tail.
+// x [T, 2I] = [gate | up] -> out [T, I] = silu(gate) * up, with the vector exp of cpu_vec.h
+// (relative error a few ulp, far below the fp32 matmuls around it); a scalar loop for the tail.
 at::Tensor silu_and_mul(at::Tensor x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(1) == 1, "float32 rows only");
   const int64_t tokens = x.size(0), inter = x.size(1) / 2, stride = x.stride(0);
@@ -75,14 +76,10 @@ at::Tensor silu_and_mul(at::Tensor x) {
       const float* up = gate + inter;
       float* dst = o + t * inter;
       int64_t i = 0;
-#if defined(__AVX512F__)
-      for (; i + 16 <= inter; i += 16) {
-        const __m512 g = _mm512_loadu_ps(gate + i);
-        const __m512 e = pagedllm_vec::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), e));
-        _mm512_storeu_ps(dst + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+      for (; i + kWidth <= inter; i += kWidth) {
+        const Vec g = load(gate + i);
+        store(dst + i, g / (broadcast(1.f) + exp(zero() - g)) * load(up + i));
       }
-#endif
       for (; i < inter; ++i) dst[i] = gate[i] / (1.f + std::exp(-gate[i])) * up[i];
     }
   });

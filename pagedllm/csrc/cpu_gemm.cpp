@@ -15,9 +15,7 @@
 
 #include "cpu_gemm_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
@@ -52,7 +50,7 @@ inline void tile_portable(const Problem& pr, int64_t m0, int64_t p0) {
       }
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_VEC_AVX512)
 constexpr bool kHaveAvx512 = true;
 
 // AVX-512 tile: the MR * NR accumulators live in registers; each k step loads NR weight vectors
@@ -99,7 +97,7 @@ constexpr bool kHaveAvx512 = false;
 // MR rows at m0 times the NR panels from p0, prefetching the panels [f0, f1) (0-2).
 template <bool Simd, int MR, int NR>
 inline void tile(const Problem& pr, int64_t m0, int64_t p0, int64_t f0, int64_t f1) {
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_VEC_AVX512)
   if constexpr (Simd) {
     const float* pf = pr.p + f0 * pr.k * kLanes;
     if (f1 == f0) return tile_avx512<MR, NR, false>(pr, m0, p0, pf, pf);
@@ -149,19 +147,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   return run<kHaveAvx512>(x, packed, bias);
 }
 
-at::Tensor packed_linear_portable(const at::Tensor& x, const at::Tensor& packed,
-                                  const std::optional<at::Tensor>& bias) {
-  return run<false>(x, packed, bias);
-}
-
 }  // namespace
 
-TORCH_LIBRARY(pagedllm_cpu_gemm, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
-  m.def("packed_linear_portable(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu_gemm, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {
   m.impl("packed_linear", &packed_linear);
-  m.impl("packed_linear_portable", &packed_linear_portable);
 }

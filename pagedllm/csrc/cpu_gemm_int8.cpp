@@ -23,9 +23,7 @@
 
 #include "cpu_gemm_common.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
@@ -60,7 +58,7 @@ inline void tile_portable(const Problem& pr, int64_t m0, int64_t p0, const int8_
       }
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_VEC_AVX512)
 constexpr bool kHaveAvx512 = true;
 
 // 16 int8 weights at w -> 16 floats (exact: |q| <= 127).
@@ -105,7 +103,7 @@ constexpr bool kHaveAvx512 = false;
 // w: panel p0 at k = 0; panel p0 + j at w + 16 j; one k step is ks bytes (the group's width).
 template <bool Simd, int MR, int NR>
 inline void tile(const Problem& pr, int64_t m0, int64_t p0, const int8_t* w, int64_t ks) {
-#if defined(__AVX512F__)
+#if defined(PAGEDLLM_VEC_AVX512)
   if constexpr (Simd) return tile_avx512<MR, NR>(pr, m0, p0, w, ks);
 #endif
   tile_portable<MR, NR>(pr, m0, p0, w, ks);
@@ -159,19 +157,12 @@ at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   return run<kHaveAvx512>(x, packed, scale, bias);
 }
 
-at::Tensor packed_linear_int8_portable(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                       const std::optional<at::Tensor>& bias) {
-  return run<false>(x, packed, scale, bias);
-}
-
 }  // namespace
 
-TORCH_LIBRARY(pagedllm_cpu_int8, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
-  m.def("packed_linear_int8_portable(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu_int8, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {
   m.impl("packed_linear_int8", &packed_linear_int8);
-  m.impl("packed_linear_int8_portable", &packed_linear_int8_portable);
 }

@@ -1,5 +1,6 @@
-// Registers the CPU kernels as torch.ops.pagedllm_cpu.* (a plain shared library, no pybind:
-// the build is several times faster and a call costs ~2 us of dispatch).
+// Registers the CPU kernels as torch.ops.<PAGEDLLM_OPS>.* (pagedllm_avx2, ...: one namespace per ISA
+// level, set by the build; a plain shared library, no pybind: the build is several times faster
+// and a call costs ~2 us of dispatch). The GEMM files add their ops to the same namespace.
 #include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
@@ -12,7 +13,7 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::T
 void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 
-TORCH_LIBRARY(pagedllm_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("paged_decode_attention(Tensor(a!) out, Tensor query, Tensor key_cache, Tensor value_cache, "
         "Tensor block_table, Tensor seq_lens, float scale, int window) -> ()");
   m.def("rotary_embedding_(Tensor positions, Tensor(a!) query, Tensor(b!) key, Tensor cos_sin_cache, "
@@ -23,7 +24,7 @@ TORCH_LIBRARY(pagedllm_cpu, m) {
   m.def("fused_add_rms_norm_(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(pagedllm_cpu, CPU, m) {
+TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
   m.impl("rotary_embedding_", &rotary_embedding_);
   m.impl("silu_and_mul", &silu_and_mul);

@@ -16,6 +16,8 @@
 
 namespace {
 
+using namespace pagedllm_vec;
+
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
@@ -27,19 +29,17 @@ struct Scratch {
 // q . k for each of the G query heads against one key row; q is pre-scaled float32.
 template <typename T>
 inline void dot_group(const float* q, const T* k, int64_t group, int64_t dim, float* out, int64_t out_stride) {
-#if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float>) {
-    if (dim % 16 == 0) {  // vector sums, one horizontal add per head
+    if (dim % kWidth == 0) {  // vector sums, one horizontal add per head
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * dim;
-        __m512 s = _mm512_mul_ps(_mm512_loadu_ps(qg), _mm512_loadu_ps(k));
-        for (int64_t d = 16; d < dim; d += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(qg + d), _mm512_loadu_ps(k + d), s);
-        out[g * out_stride] = _mm512_reduce_add_ps(s);
+        Vec s = load(qg) * load(k);
+        for (int64_t d = kWidth; d < dim; d += kWidth) s = fmadd(load(qg + d), load(k + d), s);
+        out[g * out_stride] = reduce_add(s);
       }
       return;
     }
   }
-#endif
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * dim;
     float s = 0.f;
@@ -54,16 +54,14 @@ inline void softmax(float* s, int64_t n) {
   for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
   float sum = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  __m512 vsum = _mm512_setzero_ps();
-  const __m512 vm = _mm512_set1_ps(m);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 e = pagedllm_vec::exp512(_mm512_sub_ps(_mm512_loadu_ps(s + i), vm));
-    _mm512_storeu_ps(s + i, e);
-    vsum = _mm512_add_ps(vsum, e);
+  Vec vsum = zero();
+  const Vec vm = broadcast(m);
+  for (; i + kWidth <= n; i += kWidth) {
+    const Vec e = exp(load(s + i) - vm);
+    store(s + i, e);
+    vsum = vsum + e;
   }
-  sum = _mm512_reduce_add_ps(vsum);
-#endif
+  sum = reduce_add(vsum);
   for (; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
   const float inv = 1.f / sum;
   for (i = 0; i < n; ++i) s[i] *= inv;

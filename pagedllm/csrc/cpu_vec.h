@@ -1,26 +1,158 @@
-// AVX-512 helpers the CPU kernels share (only when the build targets AVX-512).
+// The one vector abstraction every CPU kernel is written over: a float32 vector `Vec` of the
+// widest width the build targets, with the same operations on each backend. The build picks the
+// backend from the compile flags (layers/cpu_kernels.py passes them per ISA level):
+//   AVX-512 (x86-64-v4): 16 lanes, 32 registers;  AVX2 + FMA (x86-64-v3): 8 lanes, 16 registers;
+//   NEON (aarch64): 4 lanes, 32 registers;  portable: 4 lanes of GCC's generic vectors, which the
+//   compiler lowers to whatever the target has (SSE2, or scalar code).
+// Kernels size their register tiles from kWidth and kRegisters, so one source fits each ISA.
 #pragma once
 
-#if defined(__AVX512F__)
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+// PAGEDLLM_PORTABLE (the portable level's build) forces the generic backend on any CPU.
+#if !defined(PAGEDLLM_PORTABLE) && defined(__AVX512F__)
+#define PAGEDLLM_VEC_AVX512 1
+#elif !defined(PAGEDLLM_PORTABLE) && defined(__AVX2__) && defined(__FMA__)
+#define PAGEDLLM_VEC_AVX2 1
+#elif !defined(PAGEDLLM_PORTABLE) && defined(__ARM_NEON) && defined(__aarch64__)
+#define PAGEDLLM_VEC_NEON 1
+#endif
+
+#if defined(PAGEDLLM_VEC_AVX512) || defined(PAGEDLLM_VEC_AVX2)
 #include <immintrin.h>
+#elif defined(PAGEDLLM_VEC_NEON)
+#include <arm_neon.h>
+#endif
 
 namespace pagedllm_vec {
 
-// e^x for 16 floats: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial
-// (truncation below 1e-8 relative), then scaled by 2^n. std::exp does not vectorise without
-// -ffast-math. Inputs are clamped to the range where e^x is a normal float, so a huge |x| gives
-// 0 or a FLT_MAX-scale value instead of NaN.
-inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.7f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 split in two parts
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f), r);
-  __m512 p = _mm512_set1_ps(1.f / 5040.f);
+#if defined(PAGEDLLM_VEC_AVX512)
+constexpr const char* kBackend = "avx512";
+constexpr int kWidth = 16, kRegisters = 32;
+struct Vec { __m512 v; };
+inline Vec load(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline void store(float* p, Vec a) { _mm512_storeu_ps(p, a.v); }
+inline Vec broadcast(float x) { return {_mm512_set1_ps(x)}; }
+inline Vec zero() { return {_mm512_setzero_ps()}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a * b + c
+inline Vec operator+(Vec a, Vec b) { return {_mm512_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm512_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm512_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }
+inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// a * 2^n for integral n in [-126, 127].
+inline Vec ldexp(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
+// kWidth int8 values -> floats (exact).
+inline Vec load_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
+#elif defined(PAGEDLLM_VEC_AVX2)
+constexpr const char* kBackend = "avx2";
+constexpr int kWidth = 8, kRegisters = 16;
+struct Vec { __m256 v; };
+inline Vec load(const float* p) { return {_mm256_loadu_ps(p)}; }
+inline void store(float* p, Vec a) { _mm256_storeu_ps(p, a.v); }
+inline Vec broadcast(float x) { return {_mm256_set1_ps(x)}; }
+inline Vec zero() { return {_mm256_setzero_ps()}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+inline Vec operator+(Vec a, Vec b) { return {_mm256_add_ps(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {_mm256_sub_ps(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {_mm256_mul_ps(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {_mm256_div_ps(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {_mm256_max_ps(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {_mm256_min_ps(a.v, b.v)}; }
+inline float reduce_add(Vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+inline Vec ldexp(Vec a, Vec n) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
+  return {_mm256_mul_ps(a.v, _mm256_castsi256_ps(e))};
+}
+inline Vec load_i8(const int8_t* p) {
+  return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+}
+inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+
+#elif defined(PAGEDLLM_VEC_NEON)
+constexpr const char* kBackend = "neon";
+constexpr int kWidth = 4, kRegisters = 32;
+struct Vec { float32x4_t v; };
+inline Vec load(const float* p) { return {vld1q_f32(p)}; }
+inline void store(float* p, Vec a) { vst1q_f32(p, a.v); }
+inline Vec broadcast(float x) { return {vdupq_n_f32(x)}; }
+inline Vec zero() { return {vdupq_n_f32(0.f)}; }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+inline Vec operator+(Vec a, Vec b) { return {vaddq_f32(a.v, b.v)}; }
+inline Vec operator-(Vec a, Vec b) { return {vsubq_f32(a.v, b.v)}; }
+inline Vec operator*(Vec a, Vec b) { return {vmulq_f32(a.v, b.v)}; }
+inline Vec operator/(Vec a, Vec b) { return {vdivq_f32(a.v, b.v)}; }
+inline Vec max(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
+inline Vec min(Vec a, Vec b) { return {vminq_f32(a.v, b.v)}; }
+inline float reduce_add(Vec a) { return vaddvq_f32(a.v); }
+inline Vec round_nearest(Vec a) { return {vrndnq_f32(a.v)}; }
+inline Vec ldexp(Vec a, Vec n) {
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n.v), vdupq_n_s32(127)), 23);
+  return {vmulq_f32(a.v, vreinterpretq_f32_s32(e))};
+}
+inline Vec load_i8(const int8_t* p) {
+  int32_t bits;
+  std::memcpy(&bits, p, 4);
+  const int16x8_t w16 = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(bits)));
+  return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w16)))};
+}
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+
+#else
+constexpr const char* kBackend = "portable";
+constexpr int kWidth = 4, kRegisters = 16;
+typedef float F4 __attribute__((vector_size(16)));
+struct Vec { F4 v; };
+inline Vec load(const float* p) { Vec a; std::memcpy(&a.v, p, sizeof(F4)); return a; }
+inline void store(float* p, Vec a) { std::memcpy(p, &a.v, sizeof(F4)); }
+inline Vec broadcast(float x) { return {F4{x, x, x, x}}; }
+inline Vec zero() { return broadcast(0.f); }
+inline Vec fmadd(Vec a, Vec b, Vec c) { return {a.v * b.v + c.v}; }
+inline Vec operator+(Vec a, Vec b) { return {a.v + b.v}; }
+inline Vec operator-(Vec a, Vec b) { return {a.v - b.v}; }
+inline Vec operator*(Vec a, Vec b) { return {a.v * b.v}; }
+inline Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
+inline Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
+inline Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
+inline float reduce_add(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline Vec round_nearest(Vec a) {
+  for (int i = 0; i < 4; ++i) a.v[i] = std::nearbyint(a.v[i]);
+  return a;
+}
+inline Vec ldexp(Vec a, Vec n) {
+  for (int i = 0; i < 4; ++i) a.v[i] = std::ldexp(a.v[i], static_cast<int>(n.v[i]));
+  return a;
+}
+inline Vec load_i8(const int8_t* p) { return {F4{float(p[0]), float(p[1]), float(p[2]), float(p[3])}}; }
+inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+#endif
+
+// e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (truncation
+// below 1e-8 relative), then scaled by 2^n. std::exp does not vectorise without -ffast-math.
+// Inputs are clamped to where e^x is a normal float, so a huge |x| gives 0 or ~1e38, not NaN.
+inline Vec exp(Vec x) {
+  x = min(max(x, broadcast(-87.3f)), broadcast(88.3f));
+  const Vec n = round_nearest(x * broadcast(1.44269504088896341f));
+  Vec r = fmadd(n, broadcast(-0.693145751953125f), x);  // ln2 split in two parts
+  r = fmadd(n, broadcast(-1.428606765330187e-06f), r);
+  Vec p = broadcast(1.f / 5040.f);
   const float coef[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
-  for (float c : coef) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
-  return _mm512_scalef_ps(p, n);
+  for (float c : coef) p = fmadd(p, r, broadcast(c));
+  return ldexp(p, n);
 }
 
 }  // namespace pagedllm_vec
-#endif

@@ -17,9 +17,9 @@ from functools import lru_cache
 
 import torch
 
-from pagedllm.layers.cpu_kernels import build_cpu_library, kernels_enabled
+from pagedllm.layers.cpu_kernels import cpu_ops, kernels_enabled
 
-# Outputs per packed panel: one AVX-512 vector of float32 (kLanes in the kernel).
+# Outputs per packed panel (kLanes in the kernel): one AVX-512 vector of float32, two AVX2, four NEON.
 PANEL = 16
 
 PackedLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -30,9 +30,8 @@ def load_cpu_gemm() -> PackedLinear | None:
     """``packed_linear(x, packed, bias)`` built for this CPU, or None when disabled
     (``PAGEDLLM_CPU_GEMM=0`` turns off only this kernel, for A/B runs against oneDNN) or the
     build failed."""
-    if not kernels_enabled("PAGEDLLM_CPU_GEMM") or not build_cpu_library():
-        return None
-    return torch.ops.pagedllm_cpu_gemm.packed_linear.default
+    ops = cpu_ops() if kernels_enabled("PAGEDLLM_CPU_GEMM") else None
+    return None if ops is None else ops.packed_linear.default
 
 
 def packable(w: torch.Tensor) -> bool:

@@ -27,7 +27,7 @@ class CustomOp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._forward_method: Callable[..., Any] = self._dispatch_first_call
-        self.cpu_ops: Any = None  # torch.ops.pagedllm_cpu once forward_cpu is chosen
+        self.cpu_ops: Any = None  # torch.ops.pagedllm_<isa> once forward_cpu is chosen
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._forward_method(*args, **kwargs)

@@ -1,17 +1,19 @@
-"""The fused CPU ops (csrc/cpu_fused_ops.cpp) against their torch reference paths."""
+"""The fused CPU ops (csrc/cpu_fused_ops.cpp) against their torch reference paths, on every ISA
+level this CPU executes (the ``isa_ops`` fixture, as ``kernels``)."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.attention.backends.torch_sdpa import KVCacheWrite
-from pagedllm.layers.cpu_kernels import load_cpu_kernels
-
-kernels = load_cpu_kernels()
-pytestmark = pytest.mark.skipif(kernels is None, reason="the C++ kernels could not be built here")
 
 
-def test_silu_and_mul_matches_torch():
+@pytest.fixture
+def kernels(isa_ops):
+    return isa_ops
+
+
+def test_silu_and_mul_matches_torch(kernels):
     x = torch.randn(7, 2 * 96) * 4
     gate, up = x.chunk(2, dim=-1)
     torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
@@ -20,7 +22,7 @@ def test_silu_and_mul_matches_torch():
     torch.testing.assert_close(kernels.silu_and_mul(strided), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
-def test_silu_and_mul_vector_exp_over_the_whole_range():
+def test_silu_and_mul_vector_exp_over_the_whole_range(kernels):
     # 100 features: six 16-wide vectors and a scalar tail; gates from far negative to far
     # positive, past where e^-g under- or overflows in float32.
     gate = torch.linspace(-120, 120, 3 * 100).reshape(3, 100)
@@ -30,7 +32,7 @@ def test_silu_and_mul_vector_exp_over_the_whole_range():
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
-def test_write_kv_cache_matches_index_copy():
+def test_write_kv_cache_matches_index_copy(kernels):
     blocks, block_size, kv_heads, dim = 6, 4, 2, 8
     qkv = torch.randn(5, (4 + 2 * kv_heads) * dim)  # k and v are strided views, as in the models
     k, v = qkv[:, 4 * dim : (4 + kv_heads) * dim], qkv[:, (4 + kv_heads) * dim :]
@@ -59,7 +61,7 @@ def test_write_kv_uses_the_kernel_only_for_float32_cpu():
     assert write32.forward_method == write32.forward_cpu and torch.equal(cache[0].view(-1, 8)[5], k[1])
 
 
-def test_rms_norm_kernels_match_torch():
+def test_rms_norm_kernels_match_torch(kernels):
     x, residual, weight = torch.randn(9, 576) * 3, torch.randn(9, 576), torch.rand(576) + 0.5
     out = torch.empty_like(x)
     kernels.rms_norm(out, x, weight, 1e-5)
@@ -70,7 +72,7 @@ def test_rms_norm_kernels_match_torch():
     torch.testing.assert_close(h, F.rms_norm(x + residual, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
-def test_decode_attention_reads_a_strided_query():
+def test_decode_attention_reads_a_strided_query(kernels):
     """The kernel takes q as a view of the fused qkv rows; the result equals a contiguous copy's."""
     heads, kv_heads, dim, block = 4, 2, 16, 4
     cache = torch.randn(2, 6, block, kv_heads, dim)
@@ -86,7 +88,7 @@ def test_decode_attention_reads_a_strided_query():
 
 @pytest.mark.parametrize("dim", [64, 40])  # the AVX-512 dot products (dim % 16 == 0) and the scalar loop
 @pytest.mark.parametrize("window", [0, 37])
-def test_decode_attention_matches_sdpa_on_long_contexts(dim, window):
+def test_decode_attention_matches_sdpa_on_long_contexts(kernels, dim, window):
     """Contexts from 1 to 300 tokens over shuffled blocks: the vectorised softmax runs in
     16-wide steps plus a tail, and the prefetches reach past the last position."""
     torch.manual_seed(0)

@@ -24,12 +24,6 @@ def native():
     return op
 
 
-@pytest.fixture(scope="module")
-def portable(native):
-    """The code path CPUs without AVX-512 get (same build, its own op)."""
-    return torch.ops.pagedllm_cpu_int8.packed_linear_int8_portable.default
-
-
 def _check(op, rows, n, k, with_bias):
     torch.manual_seed(rows * 1000 + n + k)
     w, x = torch.randn(n, k), torch.randn(rows, k)
@@ -46,9 +40,9 @@ def test_native_matches_dequantized_reference(native, rows, n, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 5, 9])
-def test_portable_matches_dequantized_reference(portable, rows, n, k):
-    _check(portable, rows, n, k, with_bias=True)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 9, 64])
+def test_every_isa_matches_dequantized_reference(isa_ops, rows, n, k):
+    _check(isa_ops.packed_linear_int8.default, rows, n, k, with_bias=True)
 
 
 def test_smollm_shapes_across_threads_and_batched_input(native):

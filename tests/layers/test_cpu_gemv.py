@@ -27,12 +27,6 @@ def native():
     return op
 
 
-@pytest.fixture(scope="module")
-def portable(native):
-    """The code path CPUs without AVX-512 get (same build, its own op)."""
-    return torch.ops.pagedllm_cpu_gemm.packed_linear_portable.default
-
-
 def _check(op, rows, n, k, with_bias):
     torch.manual_seed(rows * 1000 + n + k)
     w, x = torch.randn(n, k), torch.randn(rows, k)
@@ -47,9 +41,9 @@ def test_native_matches_f_linear(native, rows, n, k):
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 5, 13])
-def test_portable_matches_f_linear(portable, rows, n, k):
-    _check(portable, rows, n, k, with_bias=True)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+def test_every_isa_matches_f_linear(isa_ops, rows, n, k):
+    _check(isa_ops.packed_linear.default, rows, n, k, with_bias=True)
 
 
 def test_smollm_shapes_across_threads(native):

@@ -12,9 +12,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import get_rope
 from pagedllm.model_arch import RopeConfig
 
-needs_kernels = pytest.mark.skipif(
-    cpu_kernels.load_cpu_kernels() is None, reason="the C++ kernels could not be built here"
-)
+needs_kernels = pytest.mark.skipif(cpu_kernels.cpu_ops() is None, reason="the C++ kernels could not be built here")
 
 
 def norm():

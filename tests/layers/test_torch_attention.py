@@ -8,7 +8,7 @@ import torch
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.backends.torch_sdpa import MAX_ROWWISE_QUERY_LEN, TorchAttentionBackend
 from pagedllm.layers.attention.metadata import build_common_metadata
-from pagedllm.layers.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.cpu_kernels import cpu_ops
 
 BLOCK = 4
 
@@ -34,7 +34,7 @@ def test_mixed_batch_matches_dense(window, use_kernels):
     heads, kv_heads, dim, num_blocks = 4, 2, 8, 32
     layer = Attention(heads, dim, kv_heads, 1 / math.sqrt(dim), sliding_window=window)
     backend = TorchAttentionBackend(use_cpu_kernels=use_kernels)
-    if use_kernels and load_cpu_kernels() is None:
+    if use_kernels and cpu_ops() is None:
         pytest.skip("the C++ kernels could not be built here")
     layer.bind_kv_cache(torch.zeros(2, num_blocks, BLOCK, kv_heads, dim), backend)
     # (context, new tokens): a short prefill from scratch, a short chunk on a cached prefix (both

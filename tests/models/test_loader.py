@@ -184,10 +184,10 @@ def test_non_float_dtype_rejected(config):
 
 @pytest.mark.parametrize("dtype,path", [(torch.float32, "forward_cpu"), (torch.bfloat16, "forward_native")])
 def test_model_ops_take_the_cpu_kernels_in_float32(llama_dir, config, dtype, path):
-    from pagedllm.layers.cpu_kernels import load_cpu_kernels
+    from pagedllm.layers.cpu_kernels import cpu_ops
     from pagedllm.layers.custom_op import CustomOp
 
-    if load_cpu_kernels() is None:
+    if cpu_ops() is None:
         pytest.skip("the C++ kernels could not be built here")
     model = load(llama_dir, config, dtype=dtype)
     run_prompt(model, torch.arange(12))

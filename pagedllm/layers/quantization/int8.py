@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
-from pagedllm.layers.cpu_kernels import build_cpu_library, kernels_enabled
+from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -46,9 +46,8 @@ PackedLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Te
 def load_int8_gemm() -> PackedLinearInt8 | None:
     """``packed_linear_int8(x, packed, scale, bias)`` built for this CPU, or None when the CPU
     kernels are disabled (``PAGEDLLM_CPU_KERNELS=0``) or the build failed."""
-    if not kernels_enabled() or not build_cpu_library():
-        return None
-    return torch.ops.pagedllm_cpu_int8.packed_linear_int8.default
+    ops = cpu_ops()
+    return None if ops is None else ops.packed_linear_int8.default
 
 
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from pagedllm.layers.attention.backends.base import AttentionBackend, write_kv
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
-from pagedllm.layers.cpu_kernels import load_cpu_kernels
+from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.custom_op import CustomOp
 
 
@@ -125,7 +125,7 @@ class TorchAttentionBackend(AttentionBackend):
         self.write_kv = KVCacheWrite() if use_cpu_kernels else KVCacheWrite().force_native()
 
     def _kernels(self, device: torch.device):
-        return load_cpu_kernels() if self.use_cpu_kernels and device.type == "cpu" else None
+        return cpu_ops() if self.use_cpu_kernels and device.type == "cpu" else None
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         query_lens = common.query_lens_cpu()

@@ -1,0 +1,123 @@
+"""What the CPU is and can run (torch-free): its model name, feature flags, the kernel ISA levels
+it executes, and how many cores this process may use.
+
+ISA levels, best first. Each is one build of the C++ kernel library (``layers/cpu_kernels.py``):
+
+- ``avx512``: x86-64-v4 (AVX-512 F/BW/DQ/VL), 16-lane vectors, 32 registers;
+- ``avx2``: x86-64-v3 (AVX2 + FMA), 8 lanes, 16 registers: AMD Zen 2/3, most cloud VMs;
+- ``neon``: aarch64 (Graviton, Ampere, Apple M), 4 lanes, 32 registers;
+- ``portable``: no explicit vector code (the compiler's own vectorisation); any CPU.
+
+A level also uses the int8 dot-product extension the CPU has (AVX-512 VNNI, AVX-VNNI, Arm
+dotprod) for the W8A8 kernel; it is part of the build's name (``avx512+vnni``).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from functools import lru_cache
+from pathlib import Path
+
+ISA_LEVELS = ("avx512", "avx2", "neon", "portable")
+
+# /proc/cpuinfo flags each x86 level needs (x86-64-v4 and -v3 as GCC defines them).
+_X86_V3 = frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "abm"})
+_X86_V4 = _X86_V3 | {"avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd"}
+_LEVEL_FLAGS = {"avx512": _X86_V4, "avx2": _X86_V3}
+# The int8 dot-product extension a level's build adds when the CPU has it: (cpuinfo flag, name).
+_DOT_EXTENSION = {"avx512": ("avx512_vnni", "vnni"), "avx2": ("avx_vnni", "vnni"), "neon": ("asimddp", "dotprod")}
+
+
+def _cpuinfo_field(*names: str) -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in names:
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+@lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (``Intel(R) Xeon(R) ...``), as a bug report wants it."""
+    return _cpuinfo_field("model name", "Model", "CPU part") or platform.processor() or platform.machine()
+
+
+@lru_cache(maxsize=1)
+def cpu_features() -> frozenset[str]:
+    """Feature flags (x86 ``flags``, Arm ``Features``); empty where /proc/cpuinfo is missing."""
+    return frozenset(_cpuinfo_field("flags", "Features").split())
+
+
+def machine() -> str:
+    return platform.machine().lower()
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The levels this CPU executes, best first (``portable`` always)."""
+    arch, flags = machine(), cpu_features()
+    if arch in ("x86_64", "amd64"):
+        found = tuple(level for level, need in _LEVEL_FLAGS.items() if need <= flags)
+    elif arch in ("aarch64", "arm64"):
+        found = ("neon",)
+    else:
+        found = ()
+    return (*found, "portable")
+
+
+def best_isa() -> str:
+    return runnable_isas()[0]
+
+
+def resolve_isa(requested: str) -> str:
+    """``native`` -> the best level; a named level if this CPU runs it, else ValueError."""
+    if requested == "native":
+        return best_isa()
+    if requested not in ISA_LEVELS:
+        raise ValueError(f"PAGEDLLM_CPU_ISA must be native or one of {', '.join(ISA_LEVELS)}; got {requested!r}")
+    if requested not in runnable_isas():
+        raise ValueError(
+            f"PAGEDLLM_CPU_ISA={requested} cannot run on this CPU ({cpu_model()}); it runs {', '.join(runnable_isas())}"
+        )
+    return requested
+
+
+def dot_extension(level: str) -> str | None:
+    """The int8 dot-product extension the ``level`` build uses on this CPU (``vnni``, ``dotprod``)."""
+    flag, name = _DOT_EXTENSION.get(level, ("", ""))
+    return name if flag and flag in cpu_features() else None
+
+
+def build_name(level: str) -> str:
+    """The kernel build's name: the level and its dot-product extension (``avx512+vnni``)."""
+    ext = dot_extension(level)
+    return f"{level}+{ext}" if ext else level
+
+
+def usable_cpus() -> int:
+    """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container
+    limited to 2 CPUs on a 64-core host gets 2)."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        count = os.cpu_count() or 1
+    quota = _cgroup_cpu_quota()
+    return max(1, min(count, quota)) if quota else max(1, count)
+
+
+def _cgroup_cpu_quota() -> int | None:
+    """Whole CPUs allowed by the cgroup (v2 ``cpu.max``, v1 ``cfs_quota_us``), None if unlimited."""
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        return None if quota == "max" else max(1, int(quota) // int(period))
+    except (OSError, ValueError):
+        pass
+    try:
+        quota_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
+        period_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+    except (OSError, ValueError):
+        return None
+    return max(1, quota_us // period_us) if quota_us > 0 and period_us > 0 else None
