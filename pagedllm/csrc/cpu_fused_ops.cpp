@@ -107,12 +107,22 @@ void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::T
 
 namespace {
 
-// out = x / sqrt(mean(x^2) + eps) * w for one row, in float32 like the torch reference.
+// out = x / sqrt(mean(x^2) + eps) * w for one row, in float32 like the torch reference. The sum
+// of squares is a reduction, which the compiler leaves scalar without -ffast-math: vector lanes
+// here (an order of summation different from torch's too, within a few ulp).
 void rms_norm_row(float* out, const float* x, const float* w, int64_t n, float eps) {
-  float sum = 0.f;
-  for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
+  Vec squares = zero();
+  int64_t i = 0;
+  for (; i + kWidth <= n; i += kWidth) {
+    const Vec v = load(x + i);
+    squares = fmadd(v, v, squares);
+  }
+  float sum = reduce_add(squares);
+  for (; i < n; ++i) sum += x[i] * x[i];
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) out[i] = x[i] * inv * w[i];
+  const Vec vinv = broadcast(inv);
+  for (i = 0; i + kWidth <= n; i += kWidth) store(out + i, load(x + i) * vinv * load(w + i));
+  for (; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
-// What the fp32 and the int8 packed GEMM kernels share: the tiling constants, the driver that
-// walks a thread's panels in x blocks and row tiles, and the input/output checks. Each kernel
-// brings its own tile (how a panel's weights are loaded) and its own layout details.
+// What the fp32 and the int8 packed GEMM kernels share: the register tile (one source for every
+// ISA, over cpu_vec.h's Vec), its shapes per ISA, the driver that walks a thread's panels in x
+// blocks and row tiles, and the input/output checks. The kernels differ in the weight's element
+// type (float, or int8 widened in registers) and in how a group of panels is laid out.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -12,30 +13,57 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_vec.h"
+
 namespace pagedllm_gemm {
 
-constexpr int64_t kLanes = 16;  // outputs per panel: one AVX-512 vector of fp32
-constexpr int kGroup = 4;  // panels per tile: 64 outputs
-// The tallest tile: 6 rows x 4 panels = 24 accumulators; per k step 4 weight vectors and 6
-// broadcasts feed 24 FMAs (enough to be compute-bound at prefill sizes).
-constexpr int64_t kMaxRows = 6;
+using namespace pagedllm_vec;
+
+// Outputs per panel, a property of the layout, not of the ISA (the Python packing is the same
+// for every build): one AVX-512 vector of fp32, two AVX2 vectors, four NEON ones.
+constexpr int64_t kLanes = 16;
+constexpr int kPanelVecs = static_cast<int>(kLanes) / kWidth;
+static_assert(kPanelVecs * kWidth == kLanes, "a panel is a whole number of vectors");
+constexpr int kGroup = 4;  // panels per group: 64 outputs, the int8 layout's interleave
+
+// Vector registers an MR x NR tile keeps live per k step: the MR * NR * kPanelVecs accumulators,
+// one broadcast x and one weight vector at the least, plus whichever of the two the tile holds
+// for reuse: the weight vectors of a k step (when there are fewer of them than rows) or the rows'
+// broadcasts (when there are fewer rows).
+constexpr int tile_registers(int mr, int nr) {
+  return mr * nr * kPanelVecs + std::min(mr, nr * kPanelVecs) + 1;
+}
+// The widest tile (in panels, at most a group) for MR rows that needs no spill; 0 if none.
+constexpr int max_panels(int mr) {
+  int nr = kGroup;
+  while (nr > 0 && tile_registers(mr, nr) > kRegisters) --nr;
+  return nr;
+}
+// The tallest tile: up to 6 rows, as many as one panel's tile allows. AVX-512: 6 rows x 4 panels
+// (24 accumulators; per k step 4 weight vectors and 6 broadcasts feed 24 FMAs, compute-bound at
+// prefill sizes). AVX2: 6 x 1 (12 accumulators), NEON 6 x 1 (24), portable 3 x 1 (12). Shorter
+// tiles widen as far as the registers allow (AVX2: 1 x 4, 2 x 3, 3 x 2; see max_panels).
+constexpr int tallest_rows() {
+  int mr = 6;
+  while (mr > 1 && max_panels(mr) == 0) --mr;
+  return mr;
+}
+constexpr int64_t kMaxRows = tallest_rows();
+static_assert(max_panels(1) >= 1, "one row of one panel must fit the registers");
 // Rows of x per block: the block (rows x K floats) stays in L2 while the thread's panels stream
 // past it; prefill batches are cut into such blocks, decode batches are one block.
 constexpr int64_t kXBlockBytes = 384 * 1024;
 // Least weight bytes worth waking a second thread for.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
 
-// Calls tile_rows(std::integral_constant<int, MR>) with a tile exactly as tall as the mr rows
-// left (decode batches of 1-5 rows are one tile), so each weight vector is loaded once.
-template <class F>
-void dispatch_rows(int64_t mr, F&& tile_rows) {
-  switch (mr) {
-    case 1: return tile_rows(std::integral_constant<int, 1>{});
-    case 2: return tile_rows(std::integral_constant<int, 2>{});
-    case 3: return tile_rows(std::integral_constant<int, 3>{});
-    case 4: return tile_rows(std::integral_constant<int, 4>{});
-    case 5: return tile_rows(std::integral_constant<int, 5>{});
-    default: return tile_rows(std::integral_constant<int, kMaxRows>{});
+// Calls f(std::integral_constant<int, N>) for the runtime n in [1, Max] (Max for anything larger).
+template <int Max, int N = 1, class F>
+void dispatch(int64_t n, F&& f) {
+  if constexpr (N < Max) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    return dispatch<Max, N + 1>(n, f);
+  } else {
+    return f(std::integral_constant<int, Max>{});
   }
 }
 
@@ -44,8 +72,8 @@ void dispatch_rows(int64_t mr, F&& tile_rows) {
 // and from cache for every further row tile. So that the memory does not idle while those tiles
 // run from cache (and the next group's first tile does not wait on it), the row tiles share out
 // the next group's panels to prefetch as they go: [f0, f1), at most 2 panels (a block has at
-// least 2 row tiles when it prefetches), empty for the rest. Not in a block of one row tile: 1-6
-// rows stream each weight once, at the memory's pace already.
+// least 2 row tiles when it prefetches), empty for the rest. Not in a block of one row tile: a
+// tile's rows stream each weight once, at the memory's pace already.
 template <class F>
 void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
   const int64_t block = std::max(kMaxRows, kXBlockBytes / (k * 4) / kMaxRows * kMaxRows);
@@ -62,6 +90,113 @@ void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
       }
     }
   }
+}
+
+inline Vec load_weights(const float* p) { return load(p); }
+inline Vec load_weights(const int8_t* p) { return load_i8(p); }  // exact: |q| <= 127
+
+// y = x W^T * scale + bias on packed weights of type T. Panel p starts at p * K * 16 elements;
+// within a group of panels a k step is 16 elements of one panel (fp32: panel after panel) or of
+// every panel of the group side by side (int8: one 64-byte line per k step for a full group).
+template <class T>
+struct Problem {
+  const float* x;  // [M, K], row stride ldx
+  const T* p;  // [N / 16, K, 16]
+  const float* scale;  // [N] or nullptr (1)
+  const float* bias;  // [N] or nullptr
+  float* y;  // [M, N], row stride ldy
+  int64_t k, ldx, ldy;
+  bool interleaved;
+};
+
+// MR rows at m0 times NR panels from p0 (the weights at w: panel j at w + j * panel_stride, k step
+// k at + k * k_stride): the accumulators live in registers; each k step loads the NR panels'
+// weight vectors once and reuses them for all MR rows. With Prefetch, each k step also prefetches
+// its line of the panels at pf and pf2 into L2 (see for_each_tile; pf2 == pf for one panel): a k
+// step's FMAs leave the load ports room for it.
+template <int MR, int NR, bool Prefetch, class T>
+inline void tile(const Problem<T>& pr, int64_t m0, int64_t p0, const T* w, int64_t panel_stride, int64_t k_stride,
+                 const T* pf, const T* pf2) {
+  constexpr int V = NR * kPanelVecs;  // vectors per row and k step
+  static_assert(tile_registers(MR, NR) <= kRegisters, "the tile must fit the vector registers");
+  const float* x = pr.x + m0 * pr.ldx;
+  Vec acc[MR][V];
+#pragma GCC unroll 16
+  for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) acc[i][v] = zero();
+  for (int64_t k = 0; k < pr.k; ++k) {
+    if constexpr (Prefetch) {
+      prefetch_l2(pf + k * k_stride);
+      prefetch_l2(pf2 + k * k_stride);
+    }
+    const T* wk = w + k * k_stride;
+    const auto weight = [&](int v) { return load_weights(wk + (v / kPanelVecs) * panel_stride + (v % kPanelVecs) * kWidth); };
+    if constexpr (V < MR) {  // hold the weight vectors, broadcast one row at a time
+      Vec wv[V];
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) wv[v] = weight(v);
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) {
+        const Vec xv = broadcast(x[i * pr.ldx + k]);
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) acc[i][v] = fmadd(xv, wv[v], acc[i][v]);
+      }
+    } else {  // hold the rows' broadcasts, load one weight vector at a time
+      Vec xv[MR];
+#pragma GCC unroll 16
+      for (int i = 0; i < MR; ++i) xv[i] = broadcast(x[i * pr.ldx + k]);
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v) {
+        const Vec wv = weight(v);
+#pragma GCC unroll 16
+        for (int i = 0; i < MR; ++i) acc[i][v] = fmadd(xv[i], wv, acc[i][v]);
+      }
+    }
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < V; ++v) {
+    const int64_t n = p0 * kLanes + v * kWidth;
+    const Vec s = pr.scale ? load(pr.scale + n) : broadcast(1.f);
+    const Vec b = pr.bias ? load(pr.bias + n) : zero();
+#pragma GCC unroll 16
+    for (int i = 0; i < MR; ++i) store(pr.y + (m0 + i) * pr.ldy + n, fmadd(acc[i][v], s, b));
+  }
+}
+
+// The group of panels [g, ge) (1-4 panels) for MR rows at m0, in as few tiles of max_panels(MR)
+// panels as cover it, of even widths; [f0, f1): the panels to prefetch, shared out over the tiles.
+template <int MR, class T>
+void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t f0, int64_t f1) {
+  constexpr int kNr = max_panels(MR);
+  const int64_t width = ge - g, tiles = (width + kNr - 1) / kNr, nr = (width + tiles - 1) / tiles;
+  const int64_t panel = pr.k * kLanes;
+  const int64_t panel_stride = pr.interleaved ? kLanes : panel, k_stride = pr.interleaved ? width * kLanes : kLanes;
+  const T* w = pr.p + g * panel;  // every group before is full, in either layout
+  const int64_t share = (f1 - f0 + tiles - 1) / tiles;
+  for (int64_t j = 0; j < width; j += nr) {
+    const int64_t q0 = std::min(f1, f0 + j / nr * share), q1 = std::min(f1, q0 + share);
+    // Prefetch lines of whole panels: the fp32 layout's (an int8 panel is not contiguous).
+    const T* pf = pr.p + q0 * panel;
+    const T* pf2 = pr.p + std::max(q0, q1 - 1) * panel;
+    dispatch<kNr>(std::min(nr, width - j), [&](auto cols) {
+      constexpr int NR = decltype(cols)::value;
+      if (q1 > q0 && !pr.interleaved)
+        tile<MR, NR, true>(pr, m0, g + j, w + j * panel_stride, panel_stride, k_stride, pf, pf2);
+      else
+        tile<MR, NR, false>(pr, m0, g + j, w + j * panel_stride, panel_stride, k_stride, pf, pf2);
+    });
+  }
+}
+
+// One thread's panels [p0, p1) for all m rows (see for_each_tile), with a tile exactly as tall
+// as the rows left (decode batches of fewer than kMaxRows rows are one tile), so each weight
+// vector is loaded once per row tile.
+template <class T>
+void run_panels(const Problem<T>& pr, int64_t m, int64_t p0, int64_t p1) {
+  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge, int64_t f0, int64_t f1) {
+    dispatch<static_cast<int>(kMaxRows)>(mr, [&](auto rows) { row_tiles<decltype(rows)::value>(pr, m0, g, ge, f0, f1); });
+  });
 }
 
 // The data of an optional contiguous float32 vector of n elements (nullptr when absent).

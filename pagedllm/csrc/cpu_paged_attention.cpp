@@ -48,6 +48,17 @@ inline void dot_group(const float* q, const T* k, int64_t group, int64_t dim, fl
   }
 }
 
+// a += p * v over dim features: vector lanes for float32 rows, scalar for the 16-bit types.
+template <typename T>
+inline void accumulate(float* a, float p, const T* v, int64_t dim) {
+  int64_t d = 0;
+  if constexpr (std::is_same_v<T, float>) {
+    const Vec pv = broadcast(p);
+    for (; d + kWidth <= dim; d += kWidth) store(a + d, fmadd(pv, load(v + d), load(a + d)));
+  }
+  for (; d < dim; ++d) a[d] += p * to_f(v[d]);
+}
+
 // Scores -> probabilities in place (one query head's n scores).
 inline void softmax(float* s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
@@ -92,15 +103,10 @@ void decode_seq(const T* q, T* out, const T* kc, const T* vc, const int64_t* tab
       dot_group(qf + h * group * dim, k + h * dim, group, dim, scores + h * group * n + (pos - start), n);
   }
   for (int64_t r = 0; r < rows; ++r) softmax(scores + r * n, n);
-  // Pass 2: out = sum_j p_j v_j (element-wise over d: the compiler vectorises it).
+  // Pass 2: out = sum_j p_j v_j, element-wise over d.
   for (int64_t pos = start; pos < seq_len; ++pos) {
     const T* v = vc + row(pos);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float p = scores[r * n + (pos - start)];
-      const T* vr = v + (r / group) * dim;
-      float* a = acc + r * dim;
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * to_f(vr[d]);
-    }
+    for (int64_t r = 0; r < rows; ++r) accumulate(acc + r * dim, scores[r * n + (pos - start)], v + (r / group) * dim, dim);
   }
   for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<T>(acc[i]);
 }

@@ -57,12 +57,15 @@ def selected_isa() -> str:
     return cpu_info.resolve_isa(envs.get("PAGEDLLM_CPU_ISA"))
 
 
-def compile_flags(level: str) -> list[str]:
-    """The compiler flags of the ``level`` build on this CPU (its dot-product extension included)."""
+def compile_flags(level: str, dot: bool | None = None) -> list[str]:
+    """The compiler flags of the ``level`` build, with its int8 dot-product extension if ``dot``
+    (default: if this CPU has it; an explicit value targets another CPU, e.g. a cross build)."""
     flags = [*_COMMON_FLAGS, *_LEVEL_FLAGS[level], f"-DPAGEDLLM_OPS=pagedllm_{level}"]
-    if cpu_info.dot_extension(level):
-        dot = _DOT_FLAGS[level]
-        flags = [f for f in flags if not (dot.startswith("-march") and f.startswith("-march"))] + [dot]
+    if dot is None:
+        dot = cpu_info.dot_extension(level) is not None
+    if dot:
+        ext = _DOT_FLAGS[level]
+        flags = [f for f in flags if not (ext.startswith("-march") and f.startswith("-march"))] + [ext]
     return flags
 
 

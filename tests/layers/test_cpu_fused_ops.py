@@ -61,15 +61,16 @@ def test_write_kv_uses_the_kernel_only_for_float32_cpu():
     assert write32.forward_method == write32.forward_cpu and torch.equal(cache[0].view(-1, 8)[5], k[1])
 
 
-def test_rms_norm_kernels_match_torch(kernels):
-    x, residual, weight = torch.randn(9, 576) * 3, torch.randn(9, 576), torch.rand(576) + 0.5
+@pytest.mark.parametrize("hidden", [576, 102])  # whole vectors; vectors and a scalar tail on every level
+def test_rms_norm_kernels_match_torch(kernels, hidden):
+    x, residual, weight = torch.randn(9, hidden) * 3, torch.randn(9, hidden), torch.rand(hidden) + 0.5
     out = torch.empty_like(x)
     kernels.rms_norm(out, x, weight, 1e-5)
-    torch.testing.assert_close(out, F.rms_norm(x, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, F.rms_norm(x, (hidden,), weight, 1e-5), rtol=1e-5, atol=1e-5)
     h, r = x.clone(), residual.clone()
     kernels.fused_add_rms_norm_(h, r, weight, 1e-5)
     torch.testing.assert_close(r, x + residual, rtol=0, atol=0)
-    torch.testing.assert_close(h, F.rms_norm(x + residual, (576,), weight, 1e-5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(h, F.rms_norm(x + residual, (hidden,), weight, 1e-5), rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_reads_a_strided_query(kernels):
@@ -86,7 +87,9 @@ def test_decode_attention_reads_a_strided_query(kernels):
     assert torch.equal(strided, dense)
 
 
-@pytest.mark.parametrize("dim", [64, 40])  # the AVX-512 dot products (dim % 16 == 0) and the scalar loop
+# 64: whole vectors on every level; 40: the scalar dot products on avx512 (40 % 16 != 0), and
+# pass 2's vector part plus a scalar tail there.
+@pytest.mark.parametrize("dim", [64, 40])
 @pytest.mark.parametrize("window", [0, 37])
 def test_decode_attention_matches_sdpa_on_long_contexts(kernels, dim, window):
     """Contexts from 1 to 300 tokens over shuffled blocks: the vectorised softmax runs in

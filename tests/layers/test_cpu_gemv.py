@@ -40,8 +40,16 @@ def test_native_matches_f_linear(native, rows, n, k):
     _check(native, rows, n, k, with_bias=rows % 2 == 1)
 
 
-@pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 13, 64])
+# Every level's tiles (cpu_gemm_common.h): heights 1 to the tallest (6 on avx512 and avx2, 3 on
+# portable) and a tile plus a remainder; 130 rows at K=1535: three x blocks (60 rows each), so the
+# next group's prefetch crosses blocks. Widths: groups of 4, 3, 2 and 1 panels (96 = 4 + 2, 48 = 3,
+# 80 = 4 + 1), which each level cuts into its tiles of 1-4 panels; odd K everywhere.
+ISA_ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 64, 130]
+ISA_SHAPES = [(16, 1), (96, 63), (48, 33), (80, 1535)]
+
+
+@pytest.mark.parametrize("n,k", ISA_SHAPES)
+@pytest.mark.parametrize("rows", ISA_ROWS)
 def test_every_isa_matches_f_linear(isa_ops, rows, n, k):
     _check(isa_ops.packed_linear.default, rows, n, k, with_bias=True)
 
