@@ -1,9 +1,11 @@
 """Speculative decoding (n-gram prompt lookup): output tokens/s with and without, in one run.
 
-    python -m benchmarks.spec_decode [--model DIR] [--batch-sizes 1 16] [--repeats 2]
+    python -m benchmarks.spec_decode [--model DIR] [--batch-sizes 1 16] [--repeats 2] [--workloads ...]
 
-Two workloads on the same engine settings, each run alternately with speculation off and on
-(``--repeats`` times; best and median kept) so both see the same machine state:
+Three engines on the same settings: speculation off, n-gram speculation with the adaptive limit
+(the default, ``spec_decode/adaptive.py``) and n-gram always proposing k tokens
+(``"adaptive": false``). Each workload runs on them in turn, ``--repeats`` times (best and
+median kept), so all see the same machine state:
 
 * ``copy``: the output repeats text in the prompt, as when a model rewrites code with one
   change. A random-weight model cannot be asked to copy, so the workload is built from the model
@@ -15,6 +17,10 @@ Two workloads on the same engine settings, each run alternately with speculation
 * ``no-repetition``: random prompts, temperature 1.0 over the model's nearly flat distribution:
   the output almost never repeats, proposals are rare, and the figure is what speculation
   costs when it cannot help.
+* ``low-acceptance``: prompts and outputs (``allowed_token_ids``, temperature 1.0) drawn from
+  ``--alphabet`` tokens, like digits or whitespace: n-grams recur by chance, so proposals come
+  nearly every step, and about one in ``--alphabet`` is accepted. Verification costs more than
+  it saves here; the adaptive engine should back off to plain decoding.
 
 Batch size B runs B requests together. Reported per engine (medians over the repeats): decode
 tok/s = B / mean time per output token after the first (TPOT), and end-to-end output tok/s
@@ -33,6 +39,9 @@ from pathlib import Path
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
+
+# The engines with speculation: adaptive (the default) and always proposing k tokens.
+SPEC_ENGINES = {"ngram": True, "ngram_fixed": False}
 
 
 def _requests(n: int, prompt_len: int, vocab: int, seed: int) -> list[dict]:
@@ -60,18 +69,24 @@ def _timed(llm: LLM, prompts: list[dict], params: SamplingParams) -> dict[str, f
 
 def _bench(engines: dict[str, LLM], prompts: list[dict], params: SamplingParams, repeats: int) -> dict:
     runs: dict[str, list[dict]] = {name: [] for name in engines}
-    for _ in range(repeats):
-        for name, llm in engines.items():
-            runs[name].append(_timed(llm, prompts, params))
+    names = list(engines)
+    for i in range(repeats):
+        # Each round starts with another engine, so a load that drifts over a round hits them alike.
+        for name in names[i % len(names) :] + names[: i % len(names)]:
+            runs[name].append(_timed(engines[name], prompts, params))
     result: dict = {}
     for metric in ("decode_tok_s", "e2e_tok_s"):
         for name, rs in runs.items():
             values = [r[metric] for r in rs]
             result[f"{name}_{metric}"] = {"best": max(values), "median": statistics.median(values)}
-        result[f"{metric}_speedup_best"] = result[f"ngram_{metric}"]["best"] / result[f"off_{metric}"]["best"]
-        result[f"{metric}_speedup_median"] = result[f"ngram_{metric}"]["median"] / result[f"off_{metric}"]["median"]
-    drafted = sum(r["drafted"] for r in runs["ngram"])
-    result["acceptance_rate"] = sum(r["accepted"] for r in runs["ngram"]) / drafted if drafted else None
+        for name in SPEC_ENGINES:
+            for stat in ("best", "median"):
+                ratio = result[f"{name}_{metric}"][stat] / result[f"off_{metric}"][stat]
+                result[f"{name}_{metric}_speedup_{stat}"] = ratio
+    for name in SPEC_ENGINES:
+        drafted = sum(r["drafted"] for r in runs[name])
+        result[f"{name}_drafted_per_run"] = drafted / repeats
+        result[f"{name}_acceptance_rate"] = sum(r["accepted"] for r in runs[name]) / drafted if drafted else None
     return result
 
 
@@ -106,6 +121,10 @@ def main() -> None:
         help="window of the default model (0: full attention); 30 layers x (4 - 1) + 1 = 91 < P",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--alphabet", type=int, default=16, help="low-acceptance: prompts and outputs use only this many tokens"
+    )
+    p.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     args = p.parse_args()
     model = args.model or _sliding_window_model(args.sliding_window)
     load_format = "auto" if args.model else "dummy"
@@ -117,6 +136,10 @@ def main() -> None:
     }
     greedy = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=0.0)
     sampled = SamplingParams(max_tokens=args.output_len, ignore_eos=True, temperature=1.0, seed=args.seed)
+    alphabet = list(range(100, 100 + args.alphabet))
+    low = SamplingParams(
+        max_tokens=args.output_len, ignore_eos=True, temperature=1.0, seed=args.seed, allowed_token_ids=alphabet
+    )
     report = {"env": environment(), "args": vars(args), "results": []}
     for batch in args.batch_sizes:
         common = dict(
@@ -125,47 +148,51 @@ def main() -> None:
             max_num_seqs=batch,
             seed=args.seed,
         )
-        engines = {"off": LLM(model, **common), "ngram": LLM(model, speculative_config=spec, **common)}
+        engines = {"off": LLM(model, **common)}
+        for name, adaptive in SPEC_ENGINES.items():
+            engines[name] = LLM(model, speculative_config={**spec, "adaptive": adaptive}, **common)
         vocab = engines["off"].llm_engine.config.model_config.arch.vocab_size
         prompts = _requests(batch, args.prompt_len, vocab, args.seed)
-        copies = [o.outputs[0].token_ids for o in engines["off"].generate(prompts, greedy, use_tqdm=False)]
-        copy_prompts = [
-            {"prompt_token_ids": p["prompt_token_ids"] + c + p["prompt_token_ids"]} for p, c in zip(prompts, copies)
-        ]
-        fidelity = _copy_fidelity(engines["off"], copy_prompts, greedy, copies)
-        result = _bench(engines, copy_prompts, greedy, args.repeats)
-        report["results"].append({"workload": "copy", "batch": batch, "outputs_equal_to_copy": fidelity, **result})
-        result = _bench(engines, prompts, sampled, args.repeats)
-        report["results"].append({"workload": "no-repetition", "batch": batch, **result})
+        if "copy" in args.workloads:
+            copies = [o.outputs[0].token_ids for o in engines["off"].generate(prompts, greedy, use_tqdm=False)]
+            copy_prompts = [
+                {"prompt_token_ids": p["prompt_token_ids"] + c + p["prompt_token_ids"]} for p, c in zip(prompts, copies)
+            ]
+            fidelity = _copy_fidelity(engines["off"], copy_prompts, greedy, copies)
+            result = _bench(engines, copy_prompts, greedy, args.repeats)
+            report["results"].append({"workload": "copy", "batch": batch, "outputs_equal_to_copy": fidelity, **result})
+        if "no-repetition" in args.workloads:
+            result = _bench(engines, prompts, sampled, args.repeats)
+            report["results"].append({"workload": "no-repetition", "batch": batch, **result})
+        if "low-acceptance" in args.workloads:
+            rng = random.Random(args.seed)
+            small = [{"prompt_token_ids": rng.choices(alphabet, k=args.prompt_len)} for _ in range(batch)]
+            result = _bench(engines, small, low, args.repeats)
+            report["results"].append({"workload": "low-acceptance", "batch": batch, **result})
         del engines
-    rows = [
-        [
-            r["workload"],
-            r["batch"],
-            f"{r['off_decode_tok_s']['median']:.1f}",
-            f"{r['ngram_decode_tok_s']['median']:.1f}",
-            f"{r['decode_tok_s_speedup_median']:.2f}x",
-            f"{r['e2e_tok_s_speedup_median']:.2f}x",
-            "-" if r["acceptance_rate"] is None else f"{100 * r['acceptance_rate']:.1f}%",
-        ]
-        for r in report["results"]
-    ]
     print(env_line(report["env"]))
-    print(
-        format_table(
-            [
-                "workload",
-                "batch",
-                "off decode tok/s",
-                "ngram decode tok/s",
-                "decode speedup",
-                "e2e speedup",
-                "acceptance",
-            ],
-            rows,
-        )
-    )
+    print(format_table(_HEADERS, [_row(r) for r in report["results"]]))
     print(json.dumps(report))
+
+
+WORKLOADS = ("copy", "no-repetition", "low-acceptance")
+_HEADERS = ["workload", "batch", "off decode tok/s"]
+for _name in SPEC_ENGINES:
+    _HEADERS += [f"{_name} decode tok/s", f"{_name} decode x", f"{_name} e2e x", f"{_name} drafts/run", f"{_name} acc."]
+
+
+def _row(r: dict) -> list:
+    row = [r["workload"], r["batch"], f"{r['off_decode_tok_s']['median']:.1f}"]
+    for name in SPEC_ENGINES:
+        acceptance = r[f"{name}_acceptance_rate"]
+        row += [
+            f"{r[f'{name}_decode_tok_s']['median']:.1f}",
+            f"{r[f'{name}_decode_tok_s_speedup_median']:.2f}x",
+            f"{r[f'{name}_e2e_tok_s_speedup_median']:.2f}x",
+            f"{r[f'{name}_drafted_per_run']:.0f}",
+            "-" if acceptance is None else f"{100 * acceptance:.1f}%",
+        ]
+    return row
 
 
 if __name__ == "__main__":

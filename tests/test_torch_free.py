@@ -17,6 +17,7 @@ TORCH_FREE_MODULES = [
     "pagedllm.core.sched_output",
     "pagedllm.core.step_plan",
     "pagedllm.core.step_result",
+    "pagedllm.spec_decode.adaptive",
     "pagedllm.kv_cache.manager",
     "pagedllm.request",
     "pagedllm.sampling_params",

@@ -23,7 +23,7 @@ MAX_SPECULATIVE_TOKENS = 16  # beyond this the verify forward mostly computes re
 # other follows it, see _lookup_range).
 DEFAULT_PROMPT_LOOKUP_MIN = 2
 DEFAULT_PROMPT_LOOKUP_MAX = 4
-_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model", "adaptive")
 _NGRAM_MODEL = "[ngram]"  # vLLM's old way to ask for prompt lookup through --speculative-model
 
 
@@ -38,6 +38,9 @@ class SpeculativeConfig:
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP_MAX  # ngram: longest suffix matched (tried first)
     draft_model: str | None = None  # draft_model: a local HF directory
     draft_arch: ModelArchConfig | None = None
+    # Fewer proposals (down to none, with probes) for requests whose acceptance does not pay for
+    # the verification's step time (spec_decode/adaptive.py); False: always propose up to k.
+    adaptive: bool = True
 
     @property
     def num_lookahead_tokens(self) -> int:
@@ -56,7 +59,8 @@ class SpeculativeArgs:
         'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
         f'"prompt_lookup_max": {DEFAULT_PROMPT_LOOKUP_MAX}, "prompt_lookup_min": {DEFAULT_PROMPT_LOOKUP_MIN}}}\' '
         'or \'{"method": "draft_model", "model": DIR, "num_speculative_tokens": 4}\'; output is unchanged, '
-        "only faster",
+        'only faster; "adaptive": false always proposes k tokens (default: fewer, down to none, '
+        "for requests whose proposals are rarely accepted)",
         default_help="off",
         metavar="JSON",
     )
@@ -85,12 +89,17 @@ class SpeculativeArgs:
             raise ValueError(
                 f"num_speculative_tokens must be an integer in 1..{MAX_SPECULATIVE_TOKENS} (e.g. 4), got {k!r}"
             )
+        adaptive = fields.get("adaptive", True)
+        if not isinstance(adaptive, bool):
+            raise ValueError(f'"adaptive" must be true or false, got {adaptive!r}')
         if method == "ngram":
             lo, hi = _lookup_range(fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max"))
-            return SpeculativeConfig("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+            return SpeculativeConfig("ngram", k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive)
         model = fields["model"]
         draft = _draft_arch(model, target, max_model_len)
-        return SpeculativeConfig("draft_model", k, draft_model=str(Path(model).expanduser()), draft_arch=draft)
+        return SpeculativeConfig(
+            "draft_model", k, draft_model=str(Path(model).expanduser()), draft_arch=draft, adaptive=adaptive
+        )
 
 
 def _parse(spec: dict | str | None) -> dict[str, Any]:

@@ -56,6 +56,9 @@ class SchedulerOutput:
     # Speculative decoding: req_id -> the proposed tokens scheduled after its real ones (the
     # step verifies them); requests without proposals are absent.
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the most tokens the worker may propose for it after this step (adaptive
+    # speculation backing off); absent: num_speculative_tokens.
+    spec_token_limits: dict[str, int] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

@@ -31,6 +31,7 @@ from pagedllm.engine.protocol import (
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.request import Request, RequestStatus
+from pagedllm.spec_decode.adaptive import SpeculationPolicy
 
 
 class Scheduler:
@@ -47,6 +48,9 @@ class Scheduler:
         # Slots past the scheduled tokens that a draft model writes its own KV into.
         self.num_lookahead_tokens = 0 if speculative_config is None else speculative_config.num_lookahead_tokens
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
+        self.spec_policy: SpeculationPolicy | None = None  # per-request proposal limits (adaptive)
+        if speculative_config is not None and speculative_config.adaptive:
+            self.spec_policy = SpeculationPolicy(speculative_config.num_speculative_tokens)
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
             num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching
@@ -98,6 +102,8 @@ class Scheduler:
         if not plan.preempted:
             self._schedule_waiting(plan)
         output = build_scheduler_output(plan, self.requests, self.kv_cache_manager, self.finished_req_ids)
+        if self.spec_policy is not None:
+            output.spec_token_limits = self.spec_policy.limits(plan.num_scheduled_tokens, plan.spec_tokens)
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
             self.requests[req_id].num_computed_tokens += num_tokens
         self.finished_req_ids = set()
@@ -222,6 +228,10 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> EngineCoreOutputs:
         """Append sampled tokens, apply stop conditions, free finished requests."""
+        if self.spec_policy is not None:
+            self.spec_policy.end_step(
+                scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens
+            )
         outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
@@ -243,6 +253,8 @@ class Scheduler:
         new_ids = runner_output.sampled_token_ids.get(req_id, [])
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         num_drafts, num_accepted = settle_spec_tokens(request, drafts, new_ids, self.spec_stats)
+        if num_drafts and self.spec_policy is not None:
+            self.spec_policy.observe(req_id, num_drafts, num_accepted)
         new_ids = append_and_check_stop(request, new_ids, self.max_model_len)
         request.spec_token_ids = runner_output.spec_token_ids.get(req_id, [])
         prompt_lp = runner_output.prompt_logprobs.get(req_id)
@@ -256,6 +268,8 @@ class Scheduler:
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         request.status = status
         self.kv_cache_manager.free(request)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
         del self.requests[request.request_id]
 

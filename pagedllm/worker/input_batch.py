@@ -241,13 +241,23 @@ class InputBatch:
             self._append(row, tokens)
 
     def proposer_inputs(
-        self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], k: int, max_model_len: int
+        self,
+        batch: BatchInputs,
+        hidden: torch.Tensor,
+        emitted: list[list[int]],
+        k: int,
+        max_model_len: int,
+        limits: dict[str, int],
     ) -> ProposerInputs:
-        """What a proposer sees of the step (after ``record_sampled``): views of the rows."""
+        """What a proposer sees of the step (after ``record_sampled``): views of the rows. Each
+        request may get ``k`` proposals, or ``limits[req_id]`` where given."""
         n, rows = len(self.states), batch.sample_batch_rows
         states = [self.states[row] for row in rows.tolist()]
         rooms = [
-            speculation_room(s.sampling_params, s.num_tokens, len(s.output_token_ids), k, max_model_len) for s in states
+            speculation_room(
+                s.sampling_params, s.num_tokens, len(s.output_token_ids), limits.get(s.req_id, k), max_model_len
+            )
+            for s in states
         ]
         return ProposerInputs(
             req_ids=batch.req_ids,

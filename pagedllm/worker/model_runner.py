@@ -127,7 +127,7 @@ class ModelRunner:
         emitted = self._sample(batch, hidden, output, sched.grammar_bitmask) if batch.sampling is not None else []
         # Every step, sampled or not: a draft model must see each prefill chunk to keep its KV whole.
         if self.proposer is not None:
-            self._propose(batch, hidden, emitted, output)
+            self._propose(batch, hidden, emitted, output, sched.spec_token_limits)
         return output
 
     def _forward(self, batch: BatchInputs) -> torch.Tensor:
@@ -154,13 +154,19 @@ class ModelRunner:
         return emitted
 
     def _propose(
-        self, batch: BatchInputs, hidden: torch.Tensor, emitted: list[list[int]], output: ModelRunnerOutput
+        self,
+        batch: BatchInputs,
+        hidden: torch.Tensor,
+        emitted: list[list[int]],
+        output: ModelRunnerOutput,
+        limits: dict[str, int],
     ) -> None:
-        """Guess the next tokens of the requests that just sampled (speculative decoding)."""
+        """Guess the next tokens of the requests that just sampled (speculative decoding), at most
+        ``limits[req_id]`` of them where the scheduler caps a request."""
         spec, proposer = self.config.speculative_config, self.proposer
         assert spec is not None and proposer is not None, "a proposer exists only with a speculative config"
         inputs = self.input_batch.proposer_inputs(
-            batch, hidden, emitted, spec.num_speculative_tokens, self.config.model_config.max_model_len
+            batch, hidden, emitted, spec.num_speculative_tokens, self.config.model_config.max_model_len, limits
         )
         proposals = proposer.propose(inputs)
         self.input_batch.set_proposals(batch, proposals)

@@ -33,10 +33,15 @@ def test_ngram_json_and_defaults(llama_model_dir):
         4,
     )
     assert spec.num_lookahead_tokens == 0
+    assert spec.adaptive  # on by default
     spec = _config(
         llama_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 1}
     )
     assert (spec.prompt_lookup_min, spec.prompt_lookup_max) == (1, 1)
+    spec = _config(
+        llama_model_dir, speculative_config='{"method": "ngram", "num_speculative_tokens": 2, "adaptive": false}'
+    )
+    assert not spec.adaptive
 
 
 def test_old_spellings(llama_model_dir, tiny_model_dir):
@@ -81,6 +86,7 @@ def test_draft_kv_shares_the_block_budget(llama_model_dir):
             "must not exceed",
         ),
         ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}}, "positive"),
+        ({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "adaptive": "no"}}, "true or false"),
         ({"speculative_config": "{not json"}, "not valid JSON"),
         ({"speculative_config": "[1, 2]"}, "JSON object"),
         ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2}}, 'needs "model"'),
