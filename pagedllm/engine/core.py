@@ -28,9 +28,10 @@ class EngineCore:
         start = time.perf_counter()
         self.config = config
         self.executor = UniProcExecutor(config)
-        self.num_blocks = self.executor.determine_num_blocks()
-        self.executor.initialize_kv_cache(self.num_blocks)
         phases = self.executor.startup
+        with phases.phase("KV sizing"):  # CUDA: a profiling forward of the largest step
+            self.num_blocks = self.executor.determine_num_blocks()
+        self.executor.initialize_kv_cache(self.num_blocks)
         with phases.phase("scheduler"):
             self.scheduler = Scheduler(
                 config.scheduler_config, config.cache_config, self.num_blocks, config.speculative_config

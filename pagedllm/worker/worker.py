@@ -113,8 +113,7 @@ class Worker:
                 )
             return override
         per_block = self.config.kv_bytes_per_block()
-        with self.startup.phase("KV sizing"):
-            budget = self._kv_memory_budget()
+        budget = self._kv_memory_budget()
         if budget < per_block * needed:
             raise ValueError(self._too_small_message(budget, per_block * needed))
         # More blocks than every sequence at full length could use only lengthens start-up;
