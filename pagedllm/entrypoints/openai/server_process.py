@@ -32,7 +32,8 @@ def run_server(args: argparse.Namespace, started: float | None = None) -> int:
     ``started``: the ``time.perf_counter()`` the start-up is counted from (default: now)."""
     _setup_logging()
     phases = StartupPhases()
-    phases.add("imports", time.perf_counter() - started if started is not None else 0.0)
+    started = time.perf_counter() if started is None else started
+    phases.add("imports", time.perf_counter() - started)
     try:
         options = ServerOptions.from_args(args)
         sock = _bind_socket(args.host, args.port)
@@ -44,11 +45,11 @@ def run_server(args: argparse.Namespace, started: float | None = None) -> int:
     except (ValueError, OSError) as exc:
         _startup_error(exc)
         return 2
-    return asyncio.run(_serve(args, options, config, sock, phases))
+    return asyncio.run(_serve(args, options, config, sock, phases, started))
 
 
 async def _serve(
-    args: argparse.Namespace, options: ServerOptions, config: Any, sock: Any, phases: StartupPhases
+    args: argparse.Namespace, options: ServerOptions, config: Any, sock: Any, phases: StartupPhases, started: float
 ) -> int:
     import uvicorn
 
@@ -76,7 +77,7 @@ async def _serve(
                 lifespan="on",
             )
         )
-        _print_startup(engine, options, args, phases)
+        _print_startup(engine, options, args, phases, started)
         _install_signal_handlers(server)
         watchdog = asyncio.create_task(watch_engine(state, server))
         await server.serve(sockets=[sock])
@@ -150,11 +151,12 @@ def _install_signal_handlers(server: Any) -> None:
         signal.signal(sig, stop)
 
 
-def startup_breakdown(phases: StartupPhases, engine_phases: dict[str, float], engine_seconds: float) -> str:
-    """One line: the front end's phases in order, the engine process's own inside its phase
-    (what the engine did not account for is the process start and its imports)."""
+def startup_breakdown(
+    phases: StartupPhases, engine_phases: dict[str, float], engine_seconds: float, total: float
+) -> str:
+    """One line: the wall-clock ``total``, the front end's phases in order, the engine process's
+    own inside its phase (what the engine did not account for is the process start and its imports)."""
     front = dict(phases.seconds)
-    total = sum(v for k, v in front.items() if k != "tokenizer")  # loaded while the engine starts
     parts = []
     for name, seconds in front.items():
         if name == "engine process":
@@ -168,7 +170,7 @@ def startup_breakdown(phases: StartupPhases, engine_phases: dict[str, float], en
 
 
 def _print_startup(
-    engine: EngineClient, options: ServerOptions, args: argparse.Namespace, phases: StartupPhases
+    engine: EngineClient, options: ServerOptions, args: argparse.Namespace, phases: StartupPhases, started: float
 ) -> None:
     mc = engine.config.model_config
     cap = engine.capacity
@@ -179,7 +181,9 @@ def _print_startup(
         f"pagedllm {pagedllm.__version__}: loaded {mc.model} ({mc.arch.architecture}, {mc.dtype}, "
         f"max_model_len={mc.max_model_len}) on {engine.config.device}",
         f"capacity: {cap.get('summary', '?')} (engine ready in {cap.get('startup_seconds', 0):.1f} s)",
-        startup_breakdown(phases, cap.get("startup_phases", {}), cap.get("startup_seconds", 0.0)),
+        startup_breakdown(
+            phases, cap.get("startup_phases", {}), cap.get("startup_seconds", 0.0), time.perf_counter() - started
+        ),
         f"serving model name(s): {', '.join(options.served_model_names)}; API key "
         f"{'required' if options.api_keys else 'not required'}; metrics prefix vllm: at /metrics",
         f"listening on {url} (bound to {args.host}); OpenAI base URL: {url}/v1",
