@@ -100,12 +100,22 @@ def build_name(level: str) -> str:
 def usable_cpus() -> int:
     """Cores this process may run on: its CPU affinity, capped by a cgroup CPU quota (a container
     limited to 2 CPUs on a 64-core host gets 2)."""
+    return core_budget()[0]
+
+
+def core_budget() -> tuple[int, str]:
+    """``usable_cpus()`` and why: ``"CPU affinity: 8 of 16 cores"``, ``"cgroup CPU quota: 2 (affinity 8)"``."""
+    online = os.cpu_count() or 1
     try:
-        count = len(os.sched_getaffinity(0))
+        affinity = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        count = os.cpu_count() or 1
+        affinity = online
     quota = _cgroup_cpu_quota()
-    return max(1, min(count, quota)) if quota else max(1, count)
+    if quota and quota < affinity:
+        return max(1, quota), f"cgroup CPU quota: {quota} (affinity {affinity} of {online} cores)"
+    return max(1, affinity), f"CPU affinity: {affinity} of {online} cores" + (
+        f", cgroup quota {quota}" if quota else ""
+    )
 
 
 def _cgroup_cpu_quota() -> int | None:

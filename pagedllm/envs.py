@@ -34,6 +34,16 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("PAGEDLLM_CPU_GEMM", "1", "0 turns only the packed fp32 GEMM kernel off (oneDNN then runs)"),
         EnvVar("PAGEDLLM_ONEDNN", "1", "0 keeps fp32 weights out of oneDNN's prepacked layout"),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
+        EnvVar(
+            "TORCH_EXTENSIONS_DIR",
+            "",
+            "where the CPU kernel builds are cached (default ~/.cache/torch_extensions, as for torch's own)",
+        ),
+        EnvVar(
+            "OMP_NUM_THREADS",
+            "",
+            "the engine's intra-op thread count (default: the cores this process may use: CPU affinity, cgroup quota)",
+        ),
     )
 }
 
@@ -63,6 +73,21 @@ def device_override() -> str | None:
 def cache_dir() -> Path:
     """``$PAGEDLLM_CACHE``, else ``~/.cache/pagedllm``."""
     return Path(get("PAGEDLLM_CACHE") or Path.home() / ".cache" / "pagedllm")
+
+
+def omp_num_threads() -> str:
+    """``OMP_NUM_THREADS`` as set ("" when unset): torch sizes its thread pool from it itself."""
+    return get("OMP_NUM_THREADS")
+
+
+def kernel_build_root() -> Path:
+    """``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``: where the CPU kernel builds live."""
+    return Path(get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+
+
+def pagedllm_vars_set() -> dict[str, str]:
+    """Every ``PAGEDLLM_*`` variable in the environment (known or not), for bug reports."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("PAGEDLLM_")}
 
 
 def triton_interpret() -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
@@ -20,6 +21,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.metrics.startup import StartupPhases
 from pagedllm.metrics.stats import IterationStats, IterationStatsTracker, StatLogger
 from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
@@ -32,15 +34,31 @@ _POLL_S = 0.2  # how often the output handler checks that the engine process is 
 class AsyncLLM:
     def __init__(self, config: EngineConfig, stat_loggers: list[StatLogger] | None = None) -> None:
         self.config = config
-        self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
+        self.startup = StartupPhases()
+        self.client, self.tokenizer = self._start(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_tracker = IterationStatsTracker()
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
-        self.client = AsyncMPClient(config)
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: asyncio.Task | None = None
+
+    def _start(self, config: EngineConfig) -> tuple[AsyncMPClient, Any]:
+        """Start the engine process and load the tokenizer meanwhile (on a thread: the engine's
+        start-up is spent in its own process, this one only waits for it)."""
+        mc = config.model_config
+        with ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
+            start = time.perf_counter()
+            tokenizer = pool.submit(load_tokenizer, mc.tokenizer, mc.trust_remote_code)
+            tokenizer.add_done_callback(lambda _: self.startup.add("tokenizer", time.perf_counter() - start))
+            with self.startup.phase("engine process"):
+                client = AsyncMPClient(config)
+            try:
+                return client, tokenizer.result()
+            except BaseException:
+                client.shutdown()
+                raise
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs, **kwargs: Any) -> AsyncLLM:

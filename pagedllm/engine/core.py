@@ -28,14 +28,18 @@ class EngineCore:
         start = time.perf_counter()
         self.config = config
         self.executor = UniProcExecutor(config)
-        self.num_blocks = self.executor.determine_num_blocks()
+        phases = self.executor.startup
+        with phases.phase("KV sizing"):  # CUDA: a profiling forward of the largest step
+            self.num_blocks = self.executor.determine_num_blocks()
         self.executor.initialize_kv_cache(self.num_blocks)
-        self.scheduler = Scheduler(
-            config.scheduler_config, config.cache_config, self.num_blocks, config.speculative_config
-        )
-        self.structured_output_manager = StructuredOutputManager(config, grammar_compiler)
+        with phases.phase("scheduler"):
+            self.scheduler = Scheduler(
+                config.scheduler_config, config.cache_config, self.num_blocks, config.speculative_config
+            )
+            self.structured_output_manager = StructuredOutputManager(config, grammar_compiler)
         self.startup_seconds = time.perf_counter() - start
-        logger.info("engine ready in %.1f s: %s", self.startup_seconds, self.capacity_summary())
+        self.startup_phases = dict(phases.seconds)
+        logger.info("engine ready in %.1f s (%s): %s", self.startup_seconds, phases.summary(), self.capacity_summary())
 
     def capacity_summary(self) -> str:
         bs = self.config.cache_config.block_size

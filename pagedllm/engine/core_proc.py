@@ -199,6 +199,7 @@ class EngineCoreProc:
             "num_blocks": self.core.num_blocks,
             "summary": self.core.capacity_summary(),
             "startup_seconds": self.core.startup_seconds,
+            "startup_phases": self.core.startup_phases,
         }
 
 

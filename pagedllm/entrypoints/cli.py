@@ -1,4 +1,4 @@
-"""The ``pagedllm`` command: ``serve``, ``generate`` and ``bench`` subcommands."""
+"""The ``pagedllm`` command: ``serve``, ``generate``, ``bench``, ``env`` and ``build-kernels`` subcommands."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import argparse
 import sys
 
 from pagedllm.entrypoints.bench import add_bench_parser
+from pagedllm.entrypoints.build_kernels import add_build_kernels_parser
 from pagedllm.entrypoints.cli_args import add_engine_args, add_server_args, engine_args_from_namespace
+from pagedllm.entrypoints.env_report import add_env_parser
 
 SERVE_EPILOG = """\
 endpoints (OpenAI-compatible):
@@ -37,9 +39,12 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import time
+
+    started = time.perf_counter()  # the server's imports count towards its start-up
     from pagedllm.entrypoints.openai.server_process import run_server
 
-    return run_server(args)
+    return run_server(args, started)
 
 
 def _add_serve(sub) -> None:
@@ -61,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="pagedllm: paged-KV LLM inference and serving",
         epilog="run 'pagedllm <command> --help' for the flags of each command",
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate,bench,env,build-kernels}")
     _add_serve(sub)
     gen = sub.add_parser(
         "generate",
@@ -75,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(gen)
     gen.set_defaults(func=_generate)
     add_bench_parser(sub)
+    add_env_parser(sub)
+    add_build_kernels_parser(sub)
     return parser
 
 

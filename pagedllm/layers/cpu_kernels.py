@@ -9,8 +9,9 @@ ISA level (``cpu_info.ISA_LEVELS``: avx512, avx2, neon, portable) and registers 
 each level this CPU executes against the torch reference).
 
 The level used is ``PAGEDLLM_CPU_ISA`` (``native``, the default, is the best this CPU runs).
-Builds are cached per level and flags by torch in ``~/.cache/torch_extensions`` (about 30 s on 2
-cores the first time, a fraction of a second after). ``PAGEDLLM_CPU_KERNELS=0`` turns every
+Builds are cached per level, sources and flags in ``envs.kernel_build_root()`` (``TORCH_EXTENSIONS_DIR``,
+else ``~/.cache/torch_extensions``): about 30 s on 2 cores the first time, which
+``pagedllm build-kernels`` does at install time; a cached build loads in milliseconds. ``PAGEDLLM_CPU_KERNELS=0`` turns every
 kernel off; a failed build logs why and the torch / oneDNN paths are used instead.
 """
 
@@ -18,7 +19,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import sys
+import threading
 import time
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -69,36 +73,103 @@ def compile_flags(level: str, dot: bool | None = None) -> list[str]:
     return flags
 
 
+_BUILD_LOCK = threading.Lock()  # one build or load at a time in this process (a background build, a layer)
+_BUILT_MARK = "build-complete"  # written next to the library once it built and loaded
+
+
+@dataclass(frozen=True)
+class BuildLocation:
+    name: str  # pagedllm_<level>_<key>: the key is in the name, so a changed build gets a new folder
+    directory: Path
+
+    @property
+    def library(self) -> Path:
+        return self.directory / f"{self.name}.so"
+
+    def is_built(self) -> bool:
+        return (self.directory / _BUILT_MARK).is_file() and self.library.is_file()
+
+
+def build_location(level: str) -> BuildLocation:
+    """Where the ``level`` build lives: under ``envs.kernel_build_root()``, keyed by the sources
+    (headers included), the compiler flags and the torch and Python versions it is built against."""
+    key = hashlib.sha256()
+    for path in (*SOURCES, *sorted(_CSRC.glob("*.h"))):
+        key.update(path.name.encode() + b"\0" + path.read_bytes())
+    key.update(" ".join(compile_flags(level)).encode())
+    key.update(f"torch {torch.__version__} {torch.version.git_version} python {sys.version_info[:2]}".encode())
+    name = f"pagedllm_{level}_{key.hexdigest()[:16]}"
+    return BuildLocation(name, envs.kernel_build_root() / name)
+
+
 @cache
 def build_cpu_library(level: str | None = None) -> bool:
-    """Compile (or load from the cache) and register the ``level`` build (default: the selected
-    level); False when the kernels are disabled or the build failed."""
+    """Load the ``level`` build (default: the selected level) and register its ops, compiling it
+    first when there is no cached build; False when the kernels are disabled or the build failed."""
     if not kernels_enabled():
         return False
     level = level or selected_isa()
-    flags = compile_flags(level)
-    try:
-        from torch.utils.cpp_extension import load
+    with _BUILD_LOCK:
+        try:
+            start = time.perf_counter()
+            how = _load_or_build(build_location(level), level)
+        except Exception as exc:  # no compiler or ninja: the torch path still works
+            logger.warning("CPU kernels (%s) unavailable, using the torch/oneDNN paths (%s)", level, exc)
+            return False
+    logger.info(
+        "CPU kernels: %s build on %s (%s in %.1f s)",
+        cpu_info.build_name(level),
+        cpu_info.cpu_model(),
+        how,
+        time.perf_counter() - start,
+    )
+    return True
 
-        start = time.perf_counter()
-        load(
-            name=f"pagedllm_{level}_{hashlib.sha256(' '.join(flags).encode()).hexdigest()[:8]}",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=False,
-        )
-        logger.info(
-            "CPU kernels: %s build on %s (%.1f s to build or load)",
-            cpu_info.build_name(level),
-            cpu_info.cpu_model(),
-            time.perf_counter() - start,
-        )
-        return True
-    except Exception as exc:  # no compiler or ninja: the torch path still works
-        logger.warning("CPU kernels (%s) unavailable, using the torch/oneDNN paths (%s)", level, exc)
-        return False
+
+def _load_or_build(where: BuildLocation, level: str) -> str:
+    """A finished build is loaded directly (milliseconds; cpp_extension.load would re-check it
+    with ninja first, ~0.2 s); otherwise torch compiles it, with its lock against a concurrent
+    build of the same folder by another process."""
+    if where.is_built():
+        torch.ops.load_library(str(where.library))
+        return "loaded"
+    from torch.utils.cpp_extension import load
+
+    where.directory.mkdir(parents=True, exist_ok=True)
+    load(
+        name=where.name,
+        sources=[str(p) for p in SOURCES],
+        extra_cflags=compile_flags(level),
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(where.directory),
+        is_python_module=False,
+        verbose=False,
+    )
+    (where.directory / _BUILT_MARK).write_text(f"{where.name}\n")
+    return "built"
+
+
+def needs_build(level: str | None = None) -> bool:
+    """Whether using the kernels would compile them first (no finished build of ``level``)."""
+    return kernels_enabled() and not build_location(level or selected_isa()).is_built()
+
+
+def start_background_build(level: str | None = None) -> threading.Thread | None:
+    """Compile the ``level`` build in a thread when it is missing, so the caller's own start-up
+    (reading weights) overlaps it; the first kernel use then waits for the rest. None when the
+    build is there already or the kernels are off."""
+    level = level or (selected_isa() if kernels_enabled() else None)
+    if level is None or not needs_build(level):
+        return None
+    logger.info(
+        "CPU kernels: no %s build cached in %s; compiling it in the background (about 30 s on 2 cores; "
+        "`pagedllm build-kernels` does this once at install time)",
+        cpu_info.build_name(level),
+        envs.kernel_build_root(),
+    )
+    thread = threading.Thread(target=build_cpu_library, args=(level,), name="pagedllm-kernel-build", daemon=True)
+    thread.start()
+    return thread
 
 
 def cpu_ops(level: str | None = None) -> Any | None:

@@ -7,6 +7,8 @@ ids (a draft model's KV lives in the same blocks as the target's, under the same
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Iterable
 
 import torch
@@ -31,10 +33,18 @@ def bind_kv_caches(
     """Allocate ``[2, num_blocks, block_size, KVH, D]`` per layer, bind it, return the caches."""
     caches = []
     for layer in layers:
-        shape = (2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
-        # Zeroed, not empty: padded reads of unused slots are masked, but NaN garbage would
-        # still poison the attention matmul (0 * NaN = NaN).
-        cache = torch.zeros(shape, dtype=dtype, device=device)
+        cache = zeroed((2, num_blocks, block_size, layer.num_kv_heads, layer.head_dim), dtype, device)
         layer.bind_kv_cache(cache, backend)
         caches.append(cache)
     return caches
+
+
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled cache. Zeroed, not empty: padded reads of unused slots are masked, but NaN
+    garbage would still poison the attention matmul (0 * NaN = NaN). On CPU it is made of fresh
+    anonymous pages, which the OS zero-fills on first touch: no start-up pass writing GiBs of
+    zeros, and only the blocks in use take memory."""
+    if device.type != "cpu" or not hasattr(mmap, "MAP_PRIVATE"):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive

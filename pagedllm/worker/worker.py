@@ -10,6 +10,7 @@ allocator: since no step can be larger than the profiled one, no admitted load r
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,6 +18,8 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.layers import cpu_kernels
+from pagedllm.metrics.startup import StartupPhases
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.sampler import compute_logprobs_topk
 from pagedllm.sampling_params import SamplingParams
@@ -24,6 +27,7 @@ from pagedllm.worker.cuda_graph import graphs_enabled
 from pagedllm.worker.flat_batch import build_flat_batch
 from pagedllm.worker.kv_layers import attention_layers
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.threads import set_intra_op_threads
 
 logger = logging.getLogger(__name__)
 
@@ -64,17 +68,38 @@ class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
+        self.startup = StartupPhases()  # the engine's start-up log shows where the time went
+        set_intra_op_threads()
         torch.manual_seed(config.model_config.seed)
-        self.model_runner = ModelRunner(config, self.device)
+        with self.startup.phase("runner set-up"):
+            self.model_runner = ModelRunner(config, self.device)
 
     def load_model(self) -> None:
+        """Load the weights; on CPU with no cached kernel build, compile it meanwhile (reading
+        the checkpoint overlaps the build; packing the weights for the GEMM waits for it)."""
+        build = self._start_cpu_kernels()
         try:
-            self.model_runner.load_model()
+            with self.startup.phase("weights" if build is None else "weights (overlapping the kernel build)"):
+                self.model_runner.load_model()
         except torch.cuda.OutOfMemoryError as e:
             raise ValueError(
                 f"the model's weights do not fit in the memory of {self.device}; use a smaller model "
                 "(or a 16-bit --dtype)"
             ) from e
+        if build is not None:  # not every model waits for it while loading; the first step must not
+            with self.startup.phase("rest of the kernel build"):
+                build.join()
+
+    def _start_cpu_kernels(self) -> threading.Thread | None:
+        """Load the cached CPU kernel build now, or start compiling it in the background."""
+        if self.device.type != "cpu":
+            return None
+        with self.startup.phase("kernels"):
+            level = cpu_kernels.selected_isa()  # named: build_cpu_library caches per argument
+            build = cpu_kernels.start_background_build(level)
+            if build is None:
+                cpu_kernels.build_cpu_library(level)
+        return build
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit in the memory budget (the null block included)."""
@@ -143,8 +168,11 @@ class Worker:
             ) from e
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
-        self.model_runner.initialize_kv_cache(num_blocks)
-        self.model_runner.capture_cuda_graphs()
+        with self.startup.phase("KV cache"):
+            self.model_runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cuda":
+            with self.startup.phase("CUDA graphs"):
+                self.model_runner.capture_cuda_graphs()
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(sched)

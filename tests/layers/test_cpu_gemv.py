@@ -139,10 +139,11 @@ def test_env_var_turns_the_kernel_off(fresh_loader, monkeypatch):
     assert processed_layer(torch.randn(32, 8)).weight.dim() == 2
 
 
-def test_failed_build_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog):
+def test_failed_build_falls_back_with_a_warning(fresh_loader, monkeypatch, caplog, tmp_path):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no c++ compiler")
 
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # no finished build to load
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     with caplog.at_level(logging.WARNING, logger=cpu_kernels.__name__):
         assert kernels.load_cpu_gemm() is None

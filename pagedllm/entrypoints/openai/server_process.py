@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 from typing import Any
 
 import pagedllm
@@ -18,6 +19,7 @@ from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.metrics.prometheus import PrometheusStatLogger
+from pagedllm.metrics.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
@@ -25,33 +27,41 @@ WATCHDOG_INTERVAL_S = 0.2  # how often the front end checks that the engine proc
 DEAD_ENGINE_GRACE_S = 2.0  # after engine death, in-flight connections get this long to close
 
 
-def run_server(args: argparse.Namespace) -> int:
-    """``pagedllm serve``. Exit code: 0 after SIGTERM/SIGINT, 1 if the engine died, 2 on start-up errors."""
+def run_server(args: argparse.Namespace, started: float | None = None) -> int:
+    """``pagedllm serve``. Exit code: 0 after SIGTERM/SIGINT, 1 if the engine died, 2 on start-up errors.
+    ``started``: the ``time.perf_counter()`` the start-up is counted from (default: now)."""
     _setup_logging()
+    phases = StartupPhases()
+    started = time.perf_counter() if started is None else started
+    phases.add("imports", time.perf_counter() - started)
     try:
         options = ServerOptions.from_args(args)
         sock = _bind_socket(args.host, args.port)
         from pagedllm.demo.demo_model import with_demo_model
         from pagedllm.entrypoints.cli_args import engine_args_from_namespace
 
-        config = with_demo_model(engine_args_from_namespace(args)).create_engine_config(usage_context="serve")
+        with phases.phase("model and config"):  # the demo model is built here on first use
+            config = with_demo_model(engine_args_from_namespace(args)).create_engine_config(usage_context="serve")
     except (ValueError, OSError) as exc:
         _startup_error(exc)
         return 2
-    return asyncio.run(_serve(args, options, config, sock))
+    return asyncio.run(_serve(args, options, config, sock, phases, started))
 
 
-async def _serve(args: argparse.Namespace, options: ServerOptions, config: Any, sock: Any) -> int:
+async def _serve(
+    args: argparse.Namespace, options: ServerOptions, config: Any, sock: Any, phases: StartupPhases, started: float
+) -> int:
     import uvicorn
 
     try:
-        engine = _start_engine(config, options)
+        engine = _start_engine(config, options, phases)
     except (ValueError, RuntimeError, OSError) as exc:
         sock.close()
         _startup_error(exc)
         return 2
     try:
-        app = build_app(engine, args)
+        with phases.phase("app"):
+            app = build_app(engine, args)
     except BaseException:
         engine.shutdown()
         raise
@@ -67,7 +77,7 @@ async def _serve(args: argparse.Namespace, options: ServerOptions, config: Any, 
                 lifespan="on",
             )
         )
-        _print_startup(engine, options, args)
+        _print_startup(engine, options, args, phases, started)
         _install_signal_handlers(server)
         watchdog = asyncio.create_task(watch_engine(state, server))
         await server.serve(sockets=[sock])
@@ -96,13 +106,15 @@ async def watch_engine(state: ServerState, server: Any) -> None:
     server.should_exit = True
 
 
-def _start_engine(config: Any, options: ServerOptions) -> EngineClient:
+def _start_engine(config: Any, options: ServerOptions, phases: StartupPhases) -> EngineClient:
     import sys
 
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.metrics.stats import LoggingStatLogger
 
     engine = AsyncLLM(config, stat_loggers=[PrometheusStatLogger(options.served_model_names[0]), LoggingStatLogger()])
+    for name, seconds in engine.startup.seconds.items():
+        phases.add(name, seconds)
     if "torch" in sys.modules:  # the front end does no model work: leave the cores to the engine
         sys.modules["torch"].set_num_threads(1)
     return engine
@@ -139,7 +151,27 @@ def _install_signal_handlers(server: Any) -> None:
         signal.signal(sig, stop)
 
 
-def _print_startup(engine: EngineClient, options: ServerOptions, args: argparse.Namespace) -> None:
+def startup_breakdown(
+    phases: StartupPhases, engine_phases: dict[str, float], engine_seconds: float, total: float
+) -> str:
+    """One line: the wall-clock ``total``, the front end's phases in order, the engine process's
+    own inside its phase (what the engine did not account for is the process start and its imports)."""
+    front = dict(phases.seconds)
+    parts = []
+    for name, seconds in front.items():
+        if name == "engine process":
+            inner = {"start and imports": max(seconds - engine_seconds, 0.0), **engine_phases}
+            parts.append(f"engine process {seconds:.2f} s [{', '.join(f'{k} {v:.2f} s' for k, v in inner.items())}]")
+        elif name == "tokenizer":
+            parts.append(f"tokenizer {seconds:.2f} s (meanwhile)")
+        else:
+            parts.append(f"{name} {seconds:.2f} s")
+    return f"start-up {total:.1f} s: {', '.join(parts)}"
+
+
+def _print_startup(
+    engine: EngineClient, options: ServerOptions, args: argparse.Namespace, phases: StartupPhases, started: float
+) -> None:
     mc = engine.config.model_config
     cap = engine.capacity
     host = "localhost" if args.host in ("0.0.0.0", "::", "") else args.host
@@ -149,6 +181,9 @@ def _print_startup(engine: EngineClient, options: ServerOptions, args: argparse.
         f"pagedllm {pagedllm.__version__}: loaded {mc.model} ({mc.arch.architecture}, {mc.dtype}, "
         f"max_model_len={mc.max_model_len}) on {engine.config.device}",
         f"capacity: {cap.get('summary', '?')} (engine ready in {cap.get('startup_seconds', 0):.1f} s)",
+        startup_breakdown(
+            phases, cap.get("startup_phases", {}), cap.get("startup_seconds", 0.0), time.perf_counter() - started
+        ),
         f"serving model name(s): {', '.join(options.served_model_names)}; API key "
         f"{'required' if options.api_keys else 'not required'}; metrics prefix vllm: at /metrics",
         f"listening on {url} (bound to {args.host}); OpenAI base URL: {url}/v1",

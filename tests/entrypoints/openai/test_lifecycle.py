@@ -157,6 +157,7 @@ def test_sigterm_drains_streaming_request(long_model_dir):
         log = srv.log()
         assert "capacity:" in log and "KV blocks" in log and "requests of max_model_len=2048 fit" in log
         assert f"http://127.0.0.1:{srv.port}" in log and "LlamaForCausalLM" in log
+        assert "start-up " in log and "engine process " in log and "weights " in log and "intra-op threads: " in log
         children = descendants(srv.proc.pid)
         engine_pid(srv.proc.pid)
         with httpx.stream("POST", srv.url_for("v1", "completions"), json=DRAIN_REQUEST, timeout=120) as resp:
