@@ -14,7 +14,7 @@ DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)  # what --dtype / dtype= accept
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 LOAD_FORMATS = ("auto", "safetensors", "dummy")  # models/loader.py reads this table
-QUANTIZATION_METHODS = ("int8",)  # layers/quantization/ (QUANTIZATION_CONFIGS)
+QUANTIZATION_METHODS = ("int8", "w8a8")  # layers/quantization/ (QUANTIZATION_CONFIGS)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers/attention/selector.py

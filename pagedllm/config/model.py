@@ -30,7 +30,7 @@ class ModelConfig:
     seed: int
     trust_remote_code: bool
     served_model_name: str
-    quantization: str | None = None  # None | int8 (weight-only, CPU float32)
+    quantization: str | None = None  # None | int8 (weight-only) | w8a8 (int8 weights and activations); CPU float32
 
     @property
     def dtype_bytes(self) -> int:
@@ -74,7 +74,8 @@ class ModelArgs:
     quantization: str | None = option(
         None,
         "int8: weight-only int8 linear layers with per-channel scales (CPU, float32): a quarter of the "
-        "weight bytes, faster small-batch decode; the LM head stays float32",
+        "weight bytes, faster small-batch decode; w8a8: int8 weights and per-token int8 activations "
+        "(int8 dot products), faster large-batch decode and prefill; the LM head stays float32",
         choices=QUANTIZATION_METHODS,
         default_help="off",
         aliases=("-q",),
@@ -139,7 +140,7 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: str) -> str:
 
 
 def check_quantization(quantization: str | None, device: str, dtype: str) -> None:
-    """int8 is weight-only for the CPU float32 kernels (decode there is bound by weight bytes)."""
+    """int8 and w8a8 are CPU kernels that take and return float32 activations."""
     if quantization is None:
         return
     if quantization not in QUANTIZATION_METHODS:
@@ -153,7 +154,7 @@ def check_quantization(quantization: str | None, device: str, dtype: str) -> Non
         )
     if dtype != "float32":
         raise ValueError(
-            f"quantization={quantization!r} needs dtype float32 (activations stay float32), got "
+            f"quantization={quantization!r} needs dtype float32 (its layers take float32 activations), got "
             f"{dtype}; pass dtype='float32' (or 'auto') or drop the quantization"
         )
 

@@ -36,7 +36,14 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).resolve().parents[1] / "csrc"
 SOURCES = tuple(
     _CSRC / name
-    for name in ("cpu_ops.cpp", "cpu_paged_attention.cpp", "cpu_fused_ops.cpp", "cpu_gemm.cpp", "cpu_gemm_int8.cpp")
+    for name in (
+        "cpu_ops.cpp",
+        "cpu_paged_attention.cpp",
+        "cpu_fused_ops.cpp",
+        "cpu_gemm.cpp",
+        "cpu_gemm_int8.cpp",
+        "cpu_gemm_w8a8.cpp",
+    )
 )
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with
 # OpenMP; the library then shares torch's already-loaded libgomp (same soname), one thread pool.

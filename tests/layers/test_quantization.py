@@ -30,7 +30,7 @@ def test_each_name_builds_its_config_with_fresh_methods(name):
 
 def test_none_is_unquantized_and_unknown_names_are_value_errors():
     assert isinstance(get_quantization_config(None), UnquantizedConfig)
-    with pytest.raises(ValueError, match="quantization must be None or one of int8; got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be None or one of int8, w8a8; got 'int4'"):
         get_quantization_config("int4")
 
 

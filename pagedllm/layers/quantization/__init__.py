@@ -14,8 +14,9 @@ from contextlib import contextmanager
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
+from pagedllm.layers.quantization.w8a8 import W8A8Config
 
-QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config}
+QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "w8a8": W8A8Config}
 QUANTIZATION_METHODS = tuple(QUANTIZATION_CONFIGS)
 
 _UNQUANTIZED = UnquantizedConfig()

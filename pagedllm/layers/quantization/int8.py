@@ -20,6 +20,7 @@ on the tiny test model (one more greedy divergence in 6 prompts x 16 tokens), so
 from __future__ import annotations
 
 import logging
+from abc import abstractmethod
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Protocol, cast
@@ -112,13 +113,17 @@ def _not_quantized_yet(
     raise RuntimeError("an int8 layer runs only after its quant_method.process_weights_after_loading")
 
 
-class Int8LinearMethod(LinearMethodBase):
-    """Loads the float checkpoint weight, then stores it as packed int8 with a per-output-channel
-    scale (buffer ``weight_scale``). A weight the kernel cannot take (not CPU float32, out % 16,
-    no kernel) keeps a float layout: the layer's method becomes the unquantized one, with a warning."""
+class PerChannelInt8Method(LinearMethodBase):
+    """What the int8 formats share: the float checkpoint weight is loaded as is, then quantized
+    per output channel (``quantize_per_channel``) by ``quantize``, once. A weight ``can_take``
+    refuses (not CPU float32, out % 16, no kernel) keeps a float layout: the layer's method becomes
+    the unquantized one, with a warning naming ``requirements``."""
+
+    format_name = ""
+    requirements = ""
 
     def __init__(self) -> None:
-        self._kernel: PackedLinearInt8 = _not_quantized_yet  # the int8 GEMM once the weight is quantized
+        self.quantized = False
 
     def create_weights(
         self,
@@ -131,22 +136,51 @@ class Int8LinearMethod(LinearMethodBase):
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
         layer.register_buffer("weight_scale", None, persistent=False)
 
+    @abstractmethod
+    def can_take(self, w: torch.Tensor) -> bool:
+        """Whether the format's kernel takes the float weight ``w`` [out, in]."""
+
+    @abstractmethod
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        """Replace ``layer.weight`` by the format's int8 weights (and set its buffers)."""
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        if self._kernel is not _not_quantized_yet:
+        if self.quantized:
             return
         typed = cast(_Int8Layer, layer)
         w = typed.weight.data
-        if not can_quantize(w):
+        if not self.can_take(w):
             logger.warning(
-                "int8 quantization skipped for a %s weight of shape %s (needs the CPU kernels, "
-                "float32 and out_features %% 16 == 0); it stays in %s",
+                "%s quantization skipped for a %s weight of shape %s (needs %s); it stays in %s",
+                self.format_name,
                 w.device.type,
                 tuple(w.shape),
+                self.requirements,
                 w.dtype,
             )
             typed.quant_method = UnquantizedLinearMethod()
             typed.quant_method.process_weights_after_loading(layer)
             return
+        self.quantize(layer, w)
+        self.quantized = True
+
+
+class Int8LinearMethod(PerChannelInt8Method):
+    """Loads the float checkpoint weight, then stores it as packed int8 with a per-output-channel
+    scale (buffer ``weight_scale``)."""
+
+    format_name = "int8"
+    requirements = "the CPU kernels, float32 and out_features % 16 == 0"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._kernel: PackedLinearInt8 = _not_quantized_yet  # the int8 GEMM once the weight is quantized
+
+    def can_take(self, w: torch.Tensor) -> bool:
+        return can_quantize(w)
+
+    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+        typed = cast(_Int8Layer, layer)
         packed, typed.weight_scale = quantize_and_pack(w)
         typed.weight = nn.Parameter(packed, requires_grad=False)
         kernel = load_int8_gemm()
