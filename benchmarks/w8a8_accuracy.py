@@ -126,7 +126,13 @@ def measure(model_dir: Path, tokens: int, method: str) -> dict[str, Any]:
                 "quantized_text": tokenizer.decode(w8_tokens),
             }
         )
-    return {"model": str(model_dir), "method": method, "tokens": tokens, "env": env_line(environment()), "prompts": per_prompt}
+    return {
+        "model": str(model_dir),
+        "method": method,
+        "tokens": tokens,
+        "env": env_line(environment()),
+        "prompts": per_prompt,
+    }
 
 
 def main() -> None:
