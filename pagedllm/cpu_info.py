@@ -118,16 +118,17 @@ def core_budget() -> tuple[int, str]:
     )
 
 
-def _cgroup_cpu_quota() -> int | None:
-    """Whole CPUs allowed by the cgroup (v2 ``cpu.max``, v1 ``cfs_quota_us``), None if unlimited."""
+def _cgroup_cpu_quota(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """Whole CPUs allowed by the cgroup (v2 ``cpu.max``, v1 ``cfs_quota_us``; a fraction rounds
+    down, to at least 1), None if unlimited."""
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()[:2]
+        quota, period = (root / "cpu.max").read_text().split()[:2]
         return None if quota == "max" else max(1, int(quota) // int(period))
     except (OSError, ValueError):
         pass
     try:
-        quota_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_quota_us").read_text())
-        period_us = int(Path("/sys/fs/cgroup/cpu/cpu.cfs_period_us").read_text())
+        quota_us = int((root / "cpu" / "cpu.cfs_quota_us").read_text())
+        period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
     except (OSError, ValueError):
         return None
     return max(1, quota_us // period_us) if quota_us > 0 and period_us > 0 else None

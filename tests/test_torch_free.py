@@ -34,6 +34,7 @@ TORCH_FREE_MODULES = [
     "pagedllm.config.frontend",
     "pagedllm.config.engine",
     "pagedllm.envs",
+    "pagedllm.cpu_info",
     "pagedllm.model_arch",
     "pagedllm.hf_config",
     "pagedllm.structured_output.backend",
