@@ -62,9 +62,15 @@ inline void accumulate(float* a, float p, const T* v, int64_t dim) {
 // Scores -> probabilities in place (one query head's n scores).
 inline void softmax(float* s, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
-  for (int64_t i = 0; i < n; ++i) m = std::max(m, s[i]);
-  float sum = 0.f;
   int64_t i = 0;
+  if (n >= kWidth) {
+    Vec vmax = load(s);
+    for (i = kWidth; i + kWidth <= n; i += kWidth) vmax = max(vmax, load(s + i));
+    m = reduce_max(vmax);
+  }
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  float sum = 0.f;
+  i = 0;
   Vec vsum = zero();
   const Vec vm = broadcast(m);
   for (; i + kWidth <= n; i += kWidth) {

@@ -44,6 +44,7 @@ inline Vec operator/(Vec a, Vec b) { return {_mm512_div_ps(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {_mm512_max_ps(a.v, b.v)}; }
 inline Vec min(Vec a, Vec b) { return {_mm512_min_ps(a.v, b.v)}; }
 inline float reduce_add(Vec a) { return _mm512_reduce_add_ps(a.v); }
+inline float reduce_max(Vec a) { return _mm512_reduce_max_ps(a.v); }
 inline Vec round_nearest(Vec a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // a * 2^n for integral n in [-126, 127].
 inline Vec ldexp(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
@@ -73,6 +74,11 @@ inline float reduce_add(Vec a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
+inline float reduce_max(Vec a) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
+}
 inline Vec round_nearest(Vec a) { return {_mm256_round_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 inline Vec ldexp(Vec a, Vec n) {
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
@@ -99,6 +105,7 @@ inline Vec operator/(Vec a, Vec b) { return {vdivq_f32(a.v, b.v)}; }
 inline Vec max(Vec a, Vec b) { return {vmaxq_f32(a.v, b.v)}; }
 inline Vec min(Vec a, Vec b) { return {vminq_f32(a.v, b.v)}; }
 inline float reduce_add(Vec a) { return vaddvq_f32(a.v); }
+inline float reduce_max(Vec a) { return vmaxvq_f32(a.v); }
 inline Vec round_nearest(Vec a) { return {vrndnq_f32(a.v)}; }
 inline Vec ldexp(Vec a, Vec n) {
   const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n.v), vdupq_n_s32(127)), 23);
@@ -129,6 +136,7 @@ inline Vec operator/(Vec a, Vec b) { return {a.v / b.v}; }
 inline Vec max(Vec a, Vec b) { return {a.v > b.v ? a.v : b.v}; }
 inline Vec min(Vec a, Vec b) { return {a.v < b.v ? a.v : b.v}; }
 inline float reduce_add(Vec a) { return (a.v[0] + a.v[1]) + (a.v[2] + a.v[3]); }
+inline float reduce_max(Vec a) { return std::fmax(std::fmax(a.v[0], a.v[1]), std::fmax(a.v[2], a.v[3])); }
 inline Vec round_nearest(Vec a) {
   for (int i = 0; i < 4; ++i) a.v[i] = std::nearbyint(a.v[i]);
   return a;
