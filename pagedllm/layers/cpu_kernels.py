@@ -143,6 +143,7 @@ def _load_or_build(where: BuildLocation, level: str) -> str:
     from torch.utils.cpp_extension import load
 
     where.directory.mkdir(parents=True, exist_ok=True)
+    _remove_stale_lock(where.directory / "lock")
     load(
         name=where.name,
         sources=[str(p) for p in SOURCES],
@@ -154,6 +155,21 @@ def _load_or_build(where: BuildLocation, level: str) -> str:
     )
     (where.directory / _BUILT_MARK).write_text(f"{where.name}\n")
     return "built"
+
+
+# A build takes seconds to a few minutes; torch's lock file older than this was left by a build
+# that was killed (SIGKILL, OOM), and torch would wait on it forever.
+STALE_LOCK_SECONDS = 15 * 60
+
+
+def _remove_stale_lock(lock: Path) -> None:
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return
+    if age > STALE_LOCK_SECONDS:
+        logger.warning("removing %s, left %.0f min ago by a kernel build that did not finish", lock, age / 60)
+        lock.unlink(missing_ok=True)
 
 
 def needs_build(level: str | None = None) -> bool:

@@ -57,3 +57,29 @@ def test_a_missing_build_compiles_in_the_background(monkeypatch):
     assert cpu_kernels.start_background_build("portable") is None
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
     assert cpu_kernels.start_background_build() is None
+
+
+def test_a_killed_builds_lock_is_removed_a_live_ones_kept(monkeypatch, tmp_path, caplog):
+    """torch waits forever on its lock file; one left by a build killed long ago must not hang us."""
+    import os
+    import time
+
+    import torch.utils.cpp_extension
+
+    source = tmp_path / "a.cpp"
+    source.write_text("int a;")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(cpu_kernels, "SOURCES", (source,))
+    where = cpu_kernels.build_location("portable")
+    where.directory.mkdir(parents=True)
+    lock = where.directory / "lock"
+    seen: list[bool] = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda **kw: seen.append(lock.exists()))
+    lock.touch()
+    old = time.time() - cpu_kernels.STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    cpu_kernels._load_or_build(where, "portable")
+    assert seen == [False] and "did not finish" in caplog.text
+    lock.touch()  # a build in progress right now: torch's own wait applies
+    cpu_kernels._load_or_build(where, "portable")
+    assert seen == [False, True]
