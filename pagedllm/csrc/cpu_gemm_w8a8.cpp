@@ -68,33 +68,33 @@ inline int32_t load4(const uint8_t* p) {
 }
 
 #if defined(PAGEDLLM_VEC_AVX512)
-#if defined(__AVX512VNNI__)
-struct Vnni512 {
-  static constexpr const char* kName = "vnni512";
-  static constexpr int kAcc = 1, kRows = 6, kPanels = 4;
-  static constexpr bool kUnsigned = true;
+// What the 512-bit paths share: a panel's k4 step is one zmm, one int32 accumulator per panel.
+struct Int512 {
+  static constexpr int kAcc = 1;
   using Acc = __m512i;
-  using X = __m512i;
   using W = __m512i;
   static Acc zero() { return _mm512_setzero_si512(); }
   static W load(const int8_t* p) { return _mm512_loadu_si512(p); }
-  static X bcast(const uint8_t* p) { return _mm512_set1_epi32(load4(p)); }
-  static Acc dot(Acc acc, X x, W w, int) { return _mm512_dpbusd_epi32(acc, x, w); }
   static void finish(const Acc* acc, int32_t* out) { _mm512_storeu_si512(out, acc[0]); }
 };
+#if defined(__AVX512VNNI__)
+struct Vnni512 : Int512 {
+  static constexpr const char* kName = "vnni512";
+  static constexpr int kRows = 6, kPanels = 4;
+  static constexpr bool kUnsigned = true;
+  using X = __m512i;
+  static X bcast(const uint8_t* p) { return _mm512_set1_epi32(load4(p)); }
+  static Acc dot(Acc acc, X x, W w, int) { return _mm512_dpbusd_epi32(acc, x, w); }
+};
 #endif
-struct Maddubs512 {
+struct Maddubs512 : Int512 {
   static constexpr const char* kName = "maddubs512";
-  static constexpr int kAcc = 1, kRows = 5, kPanels = 4;
+  static constexpr int kRows = 5, kPanels = 4;
   static constexpr bool kUnsigned = false;
-  using Acc = __m512i;
   struct X {
     __m512i abs;
     __mmask64 neg;
   };
-  using W = __m512i;
-  static Acc zero() { return _mm512_setzero_si512(); }
-  static W load(const int8_t* p) { return _mm512_loadu_si512(p); }
   static X bcast(const uint8_t* p) {
     const __m512i x = _mm512_set1_epi32(load4(p));
     return {_mm512_abs_epi8(x), _mm512_movepi8_mask(x)};
@@ -104,49 +104,45 @@ struct Maddubs512 {
     const __m512i pairs = _mm512_maddubs_epi16(x.abs, signed_w);
     return _mm512_add_epi32(acc, _mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
   }
-  static void finish(const Acc* acc, int32_t* out) { _mm512_storeu_si512(out, acc[0]); }
 };
 #endif
 
 #if defined(PAGEDLLM_VEC_AVX2)
-// A panel's k4 step is two ymm: outputs 0-7 and 8-15.
-struct W256 {
-  __m256i v[2];
-};
-inline W256 load256(const int8_t* p) {
-  return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))}};
-}
-inline void finish256(const __m256i* acc, int32_t* out) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), acc[0]);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8), acc[1]);
-}
-#if defined(__AVXVNNI__)
-struct Vnni256 {
-  static constexpr const char* kName = "vnni256";
-  static constexpr int kAcc = 2, kRows = 6, kPanels = 1;
-  static constexpr bool kUnsigned = true;
+// What the 256-bit paths share: a panel's k4 step is two ymm (outputs 0-7 and 8-15), one int32
+// accumulator each.
+struct Int256 {
+  static constexpr int kAcc = 2;
   using Acc = __m256i;
-  using X = __m256i;
-  using W = W256;
+  struct W {
+    __m256i v[2];
+  };
   static Acc zero() { return _mm256_setzero_si256(); }
-  static W load(const int8_t* p) { return load256(p); }
+  static W load(const int8_t* p) {
+    return {{_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32))}};
+  }
+  static void finish(const Acc* acc, int32_t* out) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), acc[0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8), acc[1]);
+  }
+};
+#if defined(__AVXVNNI__)
+struct Vnni256 : Int256 {
+  static constexpr const char* kName = "vnni256";
+  static constexpr int kRows = 6, kPanels = 1;
+  static constexpr bool kUnsigned = true;
+  using X = __m256i;
   static X bcast(const uint8_t* p) { return _mm256_set1_epi32(load4(p)); }
   static Acc dot(Acc acc, X x, const W& w, int a) { return _mm256_dpbusd_avx_epi32(acc, x, w.v[a]); }
-  static void finish(const Acc* acc, int32_t* out) { finish256(acc, out); }
 };
 #endif
-struct Maddubs256 {
+struct Maddubs256 : Int256 {
   static constexpr const char* kName = "maddubs256";
-  static constexpr int kAcc = 2, kRows = 4, kPanels = 1;
+  static constexpr int kRows = 4, kPanels = 1;
   static constexpr bool kUnsigned = false;
-  using Acc = __m256i;
   struct X {
     __m256i x, abs;
   };
-  using W = W256;
-  static Acc zero() { return _mm256_setzero_si256(); }
-  static W load(const int8_t* p) { return load256(p); }
   static X bcast(const uint8_t* p) {
     const __m256i x = _mm256_set1_epi32(load4(p));
     return {x, _mm256_abs_epi8(x)};
@@ -156,44 +152,36 @@ struct Maddubs256 {
     const __m256i pairs = _mm256_maddubs_epi16(x.abs, _mm256_sign_epi8(w.v[a], x.x));
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
   }
-  static void finish(const Acc* acc, int32_t* out) { finish256(acc, out); }
 };
 #endif
 
 #if defined(PAGEDLLM_VEC_NEON)
-// A panel's k4 step is four q registers of 4 outputs x 4 k.
-struct W128 {
-  int8x16_t v[4];
-};
-inline W128 load128(const int8_t* p) { return {{vld1q_s8(p), vld1q_s8(p + 16), vld1q_s8(p + 32), vld1q_s8(p + 48)}}; }
-inline int8x16_t bcast128(const uint8_t* p) { return vreinterpretq_s8_s32(vdupq_n_s32(load4(p))); }
-#if defined(__ARM_FEATURE_DOTPROD)
-struct Dotprod {
-  static constexpr const char* kName = "dotprod";
-  static constexpr int kAcc = 4, kRows = 6, kPanels = 1;
+// What the NEON paths share: a panel's k4 step is four q registers of 4 outputs x 4 k; signed
+// activations broadcast as one int32 (4 k) per lane.
+struct Int128 {
   static constexpr bool kUnsigned = false;
   using Acc = int32x4_t;
   using X = int8x16_t;
-  using W = W128;
+  struct W {
+    int8x16_t v[4];
+  };
   static Acc zero() { return vdupq_n_s32(0); }
-  static W load(const int8_t* p) { return load128(p); }
-  static X bcast(const uint8_t* p) { return bcast128(p); }
+  static W load(const int8_t* p) { return {{vld1q_s8(p), vld1q_s8(p + 16), vld1q_s8(p + 32), vld1q_s8(p + 48)}}; }
+  static X bcast(const uint8_t* p) { return vreinterpretq_s8_s32(vdupq_n_s32(load4(p))); }
+};
+#if defined(__ARM_FEATURE_DOTPROD)
+struct Dotprod : Int128 {
+  static constexpr const char* kName = "dotprod";
+  static constexpr int kAcc = 4, kRows = 6, kPanels = 1;
   static Acc dot(Acc acc, X x, const W& w, int a) { return vdotq_s32(acc, w.v[a], x); }
   static void finish(const Acc* acc, int32_t* out) {
     for (int a = 0; a < 4; ++a) vst1q_s32(out + 4 * a, acc[a]);
   }
 };
 #endif
-struct Mull {
+struct Mull : Int128 {
   static constexpr const char* kName = "mull";
   static constexpr int kAcc = 8, kRows = 3, kPanels = 1;
-  static constexpr bool kUnsigned = false;
-  using Acc = int32x4_t;
-  using X = int8x16_t;
-  using W = W128;
-  static Acc zero() { return vdupq_n_s32(0); }
-  static W load(const int8_t* p) { return load128(p); }
-  static X bcast(const uint8_t* p) { return bcast128(p); }
   // Vector v holds outputs 4v..4v+3; its low half times x gives 8 int16 products of outputs
   // 4v, 4v+1, which vpadalq adds in pairs into accumulator 2v ([n, n, n+1, n+1] partial sums);
   // the high half feeds accumulator 2v + 1.
