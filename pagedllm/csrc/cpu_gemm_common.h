@@ -10,7 +10,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <optional>
-#include <type_traits>
 #include <vector>
 
 #include "cpu_vec.h"
@@ -55,17 +54,6 @@ static_assert(max_panels(1) >= 1, "one row of one panel must fit the registers")
 constexpr int64_t kXBlockBytes = 384 * 1024;
 // Least weight bytes worth waking a second thread for.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
-
-// Calls f(std::integral_constant<int, N>) for the runtime n in [1, Max] (Max for anything larger).
-template <int Max, int N = 1, class F>
-void dispatch(int64_t n, F&& f) {
-  if constexpr (N < Max) {
-    if (n == N) return f(std::integral_constant<int, N>{});
-    return dispatch<Max, N + 1>(n, f);
-  } else {
-    return f(std::integral_constant<int, Max>{});
-  }
-}
 
 // One thread's panels [p0, p1) for all m rows: rows(m0, mr, g, ge, f0, f1) per row tile and panel
 // group. Within an x block, a group of panels is the outer loop: its weights come from memory once

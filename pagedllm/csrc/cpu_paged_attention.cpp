@@ -24,39 +24,59 @@ inline float to_f(T x) { return static_cast<float>(x); }
 // Per-thread scratch, reused across the (sequence, KV head) tasks a thread runs.
 struct Scratch {
   std::vector<float> q, scores, acc;
+  std::vector<int64_t> rows;  // cache offset of each visible position's row
 };
 
-// q . k for each of the G query heads against one key row; q is pre-scaled float32.
-template <typename T>
-inline void dot_group(const float* q, const T* k, int64_t group, int64_t dim, float* out, int64_t out_stride) {
-  if constexpr (std::is_same_v<T, float>) {
-    if (dim % kWidth == 0) {  // vector sums, one horizontal add per head
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * dim;
-        Vec s = load(qg) * load(k);
-        for (int64_t d = kWidth; d < dim; d += kWidth) s = fmadd(load(qg + d), load(k + d), s);
-        out[g * out_stride] = reduce_add(s);
-      }
-      return;
-    }
+// Keys per score tile and vectors per output tile of the vector path: enough independent
+// accumulators that the FMAs overlap instead of waiting on one another's latency (a single
+// running sum per dot product ran at a tenth of the FMA rate), few enough for every ISA's
+// registers (8 accumulators + 2 operands of AVX2's 16).
+constexpr int kKeys = 8, kOutVecs = 8;
+
+// Vector path (float32, dim a multiple of kWidth). Scores of one query row q (pre-scaled)
+// against the P keys at k[p] + off: P sums side by side, one q load serving P key loads.
+template <int P>
+inline void dot_keys(const float* q, const float* const* k, int64_t off, int64_t dim, float* out) {
+  Vec acc[P];
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) acc[p] = zero();
+  for (int64_t d = 0; d < dim; d += kWidth) {
+    const Vec qv = load(q + d);
+#pragma GCC unroll 8
+    for (int p = 0; p < P; ++p) acc[p] = fmadd(qv, load(k[p] + off + d), acc[p]);
   }
-  for (int64_t g = 0; g < group; ++g) {
-    const float* qg = q + g * dim;
-    float s = 0.f;
-    for (int64_t d = 0; d < dim; ++d) s += qg[d] * to_f(k[d]);
-    out[g * out_stride] = s;
-  }
+#pragma GCC unroll 8
+  for (int p = 0; p < P; ++p) out[p] = reduce_add(acc[p]);
 }
 
-// a += p * v over dim features: vector lanes for float32 rows, scalar for the 16-bit types.
-template <typename T>
-inline void accumulate(float* a, float p, const T* v, int64_t dim) {
-  int64_t d = 0;
-  if constexpr (std::is_same_v<T, float>) {
-    const Vec pv = broadcast(p);
-    for (; d + kWidth <= dim; d += kWidth) store(a + d, fmadd(pv, load(v + d), load(a + d)));
+// out[0, V * kWidth) = sum_i probs[i] * v[rows[i]][0, V * kWidth): V accumulators in registers
+// across all n positions, stored once.
+template <int V>
+inline void weighted_sum(const float* probs, const float* v, const int64_t* rows, int64_t n, float* out) {
+  Vec acc[V];
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) acc[j] = zero();
+  for (int64_t i = 0; i < n; ++i) {
+    const Vec p = broadcast(probs[i]);
+    const float* vi = v + rows[i];
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) acc[j] = fmadd(p, load(vi + j * kWidth), acc[j]);
   }
-  for (; d < dim; ++d) a[d] += p * to_f(v[d]);
+#pragma GCC unroll 8
+  for (int j = 0; j < V; ++j) store(out + j * kWidth, acc[j]);
+}
+
+// Generic path (16-bit types, or dim not a multiple of kWidth): scalar sums.
+template <typename T>
+inline float dot_scalar(const float* q, const T* k, int64_t dim) {
+  float s = 0.f;
+  for (int64_t d = 0; d < dim; ++d) s += q[d] * to_f(k[d]);
+  return s;
+}
+
+template <typename T>
+inline void accumulate_scalar(float* a, float p, const T* v, int64_t dim) {
+  for (int64_t d = 0; d < dim; ++d) a[d] += p * to_f(v[d]);
 }
 
 // Scores -> probabilities in place (one query head's n scores).
@@ -84,6 +104,36 @@ inline void softmax(float* s, int64_t n) {
   for (i = 0; i < n; ++i) s[i] *= inv;
 }
 
+// Pass 1 on the vector path: scores[r * n + i] for every query row r against every visible key,
+// in tiles of kKeys positions (their K rows stay in L1 while all the rows use them).
+inline void scores_vec(const float* qf, const float* kc, const int64_t* rows, int64_t n, int64_t nh,
+                       int64_t group, int64_t dim, float* scores) {
+  for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
+    const int64_t np = std::min<int64_t>(kKeys, n - i0);
+    const float* k[kKeys];
+    for (int64_t p = 0; p < np; ++p) k[p] = kc + rows[i0 + p];
+    for (int64_t r = 0; r < nh * group; ++r) {
+      const int64_t off = (r / group) * dim;
+      dispatch<kKeys>(np, [&](auto keys) {
+        dot_keys<decltype(keys)::value>(qf + r * dim, k, off, dim, scores + r * n + i0);
+      });
+    }
+  }
+}
+
+// Pass 2 on the vector path: out row r = sum_i p_ri v_i, in column tiles of kOutVecs vectors.
+inline void values_vec(const float* scores, const float* vc, const int64_t* rows, int64_t n, int64_t nh,
+                       int64_t group, int64_t dim, float* out) {
+  for (int64_t r = 0; r < nh * group; ++r) {
+    const float* v = vc + (r / group) * dim;
+    for (int64_t d = 0; d < dim; d += kOutVecs * kWidth) {
+      dispatch<kOutVecs>((dim - d) / kWidth, [&](auto vecs) {
+        weighted_sum<decltype(vecs)::value>(scores + r * n, v + d, rows, n, out + r * dim + d);
+      });
+    }
+  }
+}
+
 // One sequence, KV heads [h0, h0 + nh): q/out point at the first of their nh * G query heads
 // (consecutive), kc/vc at head h0's row in the caches. The nh heads' K (or V) rows of a position
 // are one contiguous run, read once per pass. (One task per head, reading a short run and
@@ -95,25 +145,35 @@ void decode_seq(const T* q, T* out, const T* kc, const T* vc, const int64_t* tab
   const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
   const int64_t n = seq_len - start, rows = nh * group;
   buf.scores.resize(rows * n);
-  buf.acc.assign(rows * dim, 0.f);
   buf.q.resize(rows * dim);
+  buf.rows.resize(n);
   float* qf = buf.q.data();
   float* scores = buf.scores.data();
-  float* acc = buf.acc.data();
+  int64_t* offs = buf.rows.data();
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = to_f(q[i]) * scale;
-  const auto row = [&](int64_t pos) { return table[pos / block_size] * kv_stride_block + (pos % block_size) * kv_stride_tok; };
-  // Pass 1: scores = q . k for every visible key; each K row serves the G heads that share it.
-  for (int64_t pos = start; pos < seq_len; ++pos) {
-    const T* k = kc + row(pos);
-    for (int64_t h = 0; h < nh; ++h)
-      dot_group(qf + h * group * dim, k + h * dim, group, dim, scores + h * group * n + (pos - start), n);
+  // Cache offsets block by block (a division per position cost more than pass 1 at short contexts).
+  for (int64_t pos = start; pos < seq_len;) {
+    const int64_t b = pos / block_size, end = std::min(seq_len, (b + 1) * block_size);
+    const int64_t base = table[b] * kv_stride_block - b * block_size * kv_stride_tok;
+    for (; pos < end; ++pos) offs[pos - start] = base + pos * kv_stride_tok;
   }
+  if constexpr (std::is_same_v<T, float>) {
+    if (dim % kWidth == 0) {
+      scores_vec(qf, kc, offs, n, nh, group, dim, scores);
+      for (int64_t r = 0; r < rows; ++r) softmax(scores + r * n, n);
+      values_vec(scores, vc, offs, n, nh, group, dim, out);
+      return;
+    }
+  }
+  // Pass 1: scores = q . k for every visible key; each K row serves the G heads that share it.
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t r = 0; r < rows; ++r) scores[r * n + i] = dot_scalar(qf + r * dim, kc + offs[i] + (r / group) * dim, dim);
   for (int64_t r = 0; r < rows; ++r) softmax(scores + r * n, n);
   // Pass 2: out = sum_j p_j v_j, element-wise over d.
-  for (int64_t pos = start; pos < seq_len; ++pos) {
-    const T* v = vc + row(pos);
-    for (int64_t r = 0; r < rows; ++r) accumulate(acc + r * dim, scores[r * n + (pos - start)], v + (r / group) * dim, dim);
-  }
+  buf.acc.assign(rows * dim, 0.f);
+  float* acc = buf.acc.data();
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t r = 0; r < rows; ++r) accumulate_scalar(acc + r * dim, scores[r * n + i], vc + offs[i] + (r / group) * dim, dim);
   for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<T>(acc[i]);
 }
 
@@ -144,7 +204,7 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
     // is split per KV head instead.
     const int64_t splits = batch >= 2 * at::get_num_threads() ? 1 : kv_heads, nh = kv_heads / splits;
     at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
-      Scratch buf;
+      thread_local Scratch buf;  // grows to the longest context a thread has seen, then stays
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / splits, h0 = (i % splits) * nh;
         decode_seq<scalar_t>(q + b * q_row_stride + h0 * group * dim, o + (b * heads + h0 * group) * dim,

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 // PAGEDLLM_PORTABLE (the portable level's build) forces the generic backend on any CPU.
 #if !defined(PAGEDLLM_PORTABLE) && defined(__AVX512F__)
@@ -161,6 +162,18 @@ inline Vec exp(Vec x) {
   const float coef[] = {1.f / 720.f, 1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
   for (float c : coef) p = fmadd(p, r, broadcast(c));
   return ldexp(p, n);
+}
+
+// Calls f(std::integral_constant<int, N>) for the runtime n in [1, Max] (Max for anything larger):
+// a register tile sized at compile time for a runtime count of rows, panels or keys.
+template <int Max, int N = 1, class F>
+void dispatch(int64_t n, F&& f) {
+  if constexpr (N < Max) {
+    if (n == N) return f(std::integral_constant<int, N>{});
+    return dispatch<Max, N + 1>(n, f);
+  } else {
+    return f(std::integral_constant<int, Max>{});
+  }
 }
 
 }  // namespace pagedllm_vec

@@ -87,9 +87,9 @@ def test_decode_attention_reads_a_strided_query(kernels):
     assert torch.equal(strided, dense)
 
 
-# 64: whole vectors on every level; 40: the scalar dot products on avx512 (40 % 16 != 0), and
-# pass 2's vector part plus a scalar tail there.
-@pytest.mark.parametrize("dim", [64, 40])
+# 64: whole vectors on every level; 40: the scalar path on avx512 (40 % 16 != 0) and an output
+# tile of 5 vectors on avx2; 128: two output tiles on avx2 and neon.
+@pytest.mark.parametrize("dim", [64, 40, 128])
 @pytest.mark.parametrize("window", [0, 37])
 def test_decode_attention_matches_sdpa_on_long_contexts(kernels, dim, window):
     """Contexts from 1 to 300 tokens over shuffled blocks: the vectorised softmax runs in

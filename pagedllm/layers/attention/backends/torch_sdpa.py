@@ -10,6 +10,7 @@ call each: they are compute-bound, so the gather is amortised over their queries
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -111,6 +112,8 @@ class KVCacheWrite(CustomOp):
         self.cpu_ops.write_kv_cache(k.reshape(k.shape[0], -1), v.reshape(v.shape[0], -1), kv_cache, slot_mapping)
 
 
+_UNRESOLVED = object()
+
 # With the CPU kernel, queries up to this long (decodes, speculative verification, short chunks)
 # run row by row on the paged decode path; longer ones as one SDPA call each over a gathered K/V.
 MAX_ROWWISE_QUERY_LEN = 17
@@ -123,9 +126,16 @@ class TorchAttentionBackend(AttentionBackend):
         self.use_cpu_kernels = use_cpu_kernels
         # One backend serves one model's caches (one dtype): the write picks its path on the first.
         self.write_kv = KVCacheWrite() if use_cpu_kernels else KVCacheWrite().force_native()
+        self._cpu_ops: Any = _UNRESOLVED  # torch.ops.pagedllm_<isa> or None, resolved on first use
 
-    def _kernels(self, device: torch.device):
-        return cpu_ops() if self.use_cpu_kernels and device.type == "cpu" else None
+    def _kernels(self, device: torch.device) -> Any:
+        """The CPU kernels for tensors on ``device`` (None: the SDPA paths). Resolved once: this
+        runs for every layer of every step, and resolving reads the environment."""
+        if not self.use_cpu_kernels or device.type != "cpu":
+            return None
+        if self._cpu_ops is _UNRESOLVED:
+            self._cpu_ops = cpu_ops()
+        return self._cpu_ops
 
     def build_metadata(self, common: CommonAttentionMetadata) -> TorchAttentionMetadata:
         query_lens = common.query_lens_cpu()
@@ -171,11 +181,13 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads, num_kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
+        if metadata.decode_table is not None:
+            self._decode_kernel(layer, q, out, metadata)
+            if metadata.all_rowwise:
+                return out.view(-1, num_heads * head_dim)
         key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
         value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-        if metadata.decode_table is not None:
-            self._decode_kernel(layer, q, out, kv_cache, metadata)
-        elif metadata.decode_rows is not None:
+        if metadata.decode_table is None and metadata.decode_rows is not None:
             self._decode(layer, q, out, key_cache, value_cache, metadata)
         for i, seq in enumerate(metadata.prefills):
             keys = key_cache[seq.kv_slots].transpose(0, 1)  # [KVH, L, D]
@@ -196,11 +208,11 @@ class TorchAttentionBackend(AttentionBackend):
             out[seq.start : seq.end] = res[0].transpose(0, 1)
         return out.view(-1, num_heads * head_dim)
 
-    def _decode_kernel(self, layer, q, out, kv_cache, metadata: TorchAttentionMetadata) -> None:
+    def _decode_kernel(self, layer, q, out, metadata: TorchAttentionMetadata) -> None:
         kernel = self._kernels(q.device).paged_decode_attention
         args = (
-            kv_cache[0],
-            kv_cache[1],
+            layer.key_cache,
+            layer.value_cache,
             metadata.decode_table,
             metadata.decode_seq_lens,
             layer.scale,
