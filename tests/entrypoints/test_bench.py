@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagedllm.entrypoints.bench import machine
+from pagedllm.entrypoints.bench import latency, machine
 from pagedllm.entrypoints.bench.datasets import long_prompt_mix_requests
 from pagedllm.entrypoints.cli import main
 
@@ -115,6 +115,55 @@ def test_latency(capsys, tmp_path, model_dir):
         for key in ("seconds", "tokens_per_s", "gbps", "gflops", "floor_tokens_per_s", "x_floor", "model_s"):
             assert r[key] > 0, key
         assert 0 <= r["engine_overhead"] < 1
+
+
+def test_latency_rounds_report_the_median_round(capsys, tmp_path, model_dir):
+    report = run_bench(
+        capsys,
+        tmp_path,
+        "latency",
+        "--model",
+        str(model_dir),
+        "--batch-sizes",
+        "2",
+        "--decode-steps",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--prefill-len",
+        "16",
+        "--prefill-iters",
+        "1",
+        "--limits-copy-mib",
+        "8",
+        "--limits-gemm-n",
+        "128",
+        "--rounds",
+        "3",
+    )
+    assert [(r["figure"], r["batch"]) for r in report["results"]] == [("prefill", 1), ("decode", 2)]
+    assert any("median of 3 rounds" in note for note in report["notes"])
+
+
+def test_median_over_rounds_keeps_one_runs_measurement():
+    def m(system: str, batch: int, seconds: float) -> latency.Measurement:
+        return latency.Measurement(system, "decode", batch, batch, seconds, 1, 1, 1.0, seconds * 2, seconds)
+
+    rounds = [
+        [m("pagedllm", 1, 3.0), m("llama.cpp", 1, 1.0)],
+        [m("pagedllm", 1, 1.0), m("llama.cpp", 1, 2.0)],
+        [m("pagedllm", 1, 2.0), m("llama.cpp", 1, 9.0)],
+        [m("pagedllm", 1, 5.0), m("llama.cpp", 1, 4.0)],
+    ]
+    picked = {r.system: r for r in latency.median_over_rounds(rounds)}
+    # Four rounds: the lower middle, whose engine timings come with it.
+    assert (picked["pagedllm"].seconds, picked["pagedllm"].core_s) == (2.0, 4.0)
+    assert picked["llama.cpp"].seconds == 2.0
+
+
+def test_latency_rejects_zero_rounds(capsys, model_dir):
+    assert main(["bench", "latency", "--model", str(model_dir), "--rounds", "0"]) == 2
+    assert "--rounds must be >= 1" in capsys.readouterr().err
 
 
 def test_prefix(capsys, tmp_path, model_dir):

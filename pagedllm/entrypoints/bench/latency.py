@@ -64,6 +64,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     common.add_limits_args(p)
     p.add_argument("--hf-baseline", action="store_true", help="also time a plain HF forward loop")
     p.add_argument("--llama-cpp-baseline", action="store_true", help="also time llama.cpp (llama-cpp-python)")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every system this many times, alternating (pagedllm, baselines, pagedllm, ...), and report "
+        "each figure's median: on a machine whose speed drifts, systems timed minutes apart are not comparable",
+    )
 
 
 # ---------------------------------------------------------------------------------------------- pagedllm
@@ -288,22 +295,50 @@ def format_results(results: list[Measurement]) -> str:
     return common.format_table(header, rows)
 
 
+def run_round(
+    args: argparse.Namespace,
+    model: common.BenchModel,
+    cost: machine.ModelCost,
+    limits: machine.MachineLimits,
+    vocab: int,
+) -> tuple[list[Measurement], list[str]]:
+    """Every system once, one after another: (measurements, notes)."""
+    results = run_pagedllm(args, model, cost, limits, vocab)
+    notes = []
+    if args.hf_baseline:
+        results += run_hf(args, model, cost, limits, vocab)
+    if args.llama_cpp_baseline:
+        llama, note = run_llama_cpp(args, model, cost, limits, vocab)
+        results += llama
+        notes.append(f"llama.cpp: {note}")
+    return results, notes
+
+
+def median_over_rounds(rounds: list[list[Measurement]]) -> list[Measurement]:
+    """Per (system, figure, batch), the measurement whose time is the median over the rounds (the
+    lower middle one for an even count), so its engine timings belong to the same run."""
+    by_key: dict[tuple[str, str, int], list[Measurement]] = {}
+    for measurements in rounds:
+        for m in measurements:
+            by_key.setdefault((m.system, m.figure, m.batch), []).append(m)
+    return [sorted(ms, key=lambda m: m.seconds)[(len(ms) - 1) // 2] for ms in by_key.values()]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if min(args.batch_sizes) < 1 or args.decode_steps < 1 or args.prefill_iters < 1:
-        raise ValueError("--batch-sizes, --decode-steps and --prefill-iters must be >= 1")
+    if min(args.batch_sizes) < 1 or args.decode_steps < 1 or args.prefill_iters < 1 or args.rounds < 1:
+        raise ValueError("--batch-sizes, --decode-steps, --prefill-iters and --rounds must be >= 1")
     env = common.environment()
     with common.bench_model(args) as model:
         vocab, _ = common.model_limits(model.path)
         cost = machine.model_cost(common.read_hf_config(model.path), args.dtype)
         limits = common.measure_limits(args)
-        results = run_pagedllm(args, model, cost, limits, vocab)
-        notes = []
-        if args.hf_baseline:
-            results += run_hf(args, model, cost, limits, vocab)
-        if args.llama_cpp_baseline:
-            llama, note = run_llama_cpp(args, model, cost, limits, vocab)
-            results += llama
-            notes.append(f"llama.cpp: {note}")
+        rounds, notes = [], []
+        for _ in range(args.rounds):
+            measurements, notes = run_round(args, model, cost, limits, vocab)
+            rounds.append(measurements)
+        results = median_over_rounds(rounds)
+    if args.rounds > 1:
+        notes.append(f"each figure: the median of {args.rounds} rounds, the systems alternating")
     print(f"\n{model.desc}; {common.env_line(env)}\n{machine.describe(limits, cost)}\n")
     print(format_results(results))
     for note in notes:
