@@ -33,6 +33,11 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar("PAGEDLLM_CPU_GEMM", "1", "0 turns only the packed fp32 GEMM kernel off (oneDNN then runs)"),
         EnvVar("PAGEDLLM_ONEDNN", "1", "0 keeps fp32 weights out of oneDNN's prepacked layout"),
+        EnvVar(
+            "PAGEDLLM_CPU_DECODE_STACK",
+            "1",
+            "0 runs CPU decode steps layer by layer in Python instead of one C++ call for the decoder stack",
+        ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(
             "TORCH_EXTENSIONS_DIR",

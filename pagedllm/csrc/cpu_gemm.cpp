@@ -16,11 +16,10 @@
 
 #include "cpu_gemm_common.h"
 
-namespace {
-
 using namespace pagedllm_gemm;
 
 // x: [..., K] fp32; packed: [N / 16, K, 16] fp32 (see the top); bias: [N] or None -> [..., N].
+// Not file-local: the decoder-stack op (cpu_decode_stack.cpp) calls it directly.
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(packed.scalar_type() == at::kFloat, "packed weight must be float32");
   const int64_t k = packed.size(1), panels = packed.size(0), n = panels * kLanes;
@@ -34,8 +33,6 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
   at::parallel_for(0, panels, grain, [&](int64_t p0, int64_t p1) { run_panels(pr, m, p0, p1); });
   return io.y;
 }
-
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");

@@ -43,6 +43,7 @@ SOURCES = tuple(
         "cpu_gemm.cpp",
         "cpu_gemm_int8.cpp",
         "cpu_gemm_w8a8.cpp",
+        "cpu_decode_stack.cpp",
     )
 )
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with

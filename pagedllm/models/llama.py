@@ -12,13 +12,15 @@ map onto ours one to one except for the fused projections in ``packed_modules_ma
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
+from pagedllm.layers import cpu_decode_stack as decode_stack
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
+from pagedllm.layers.cpu_decode_stack import DecodeStack
 from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -129,13 +131,27 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, i, self.rotary_emb, attention_cls) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The whole stack as one C++ call at CPU decode steps (layers/cpu_decode_stack.py), built
+        # on the first step after the KV caches are bound, rebuilt if they are bound again.
+        self._decode_stack: DecodeStack | None = None
+        self._decode_stack_cache: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         hidden_states, residual = self.embed_tokens(input_ids), None
+        if decode_stack.applies(attn_metadata, hidden_states) and (stack := self.decode_stack()) is not None:
+            return stack(hidden_states, positions, attn_metadata)
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
+
+    def decode_stack(self) -> DecodeStack | None:
+        """The one-call decode op for the bound KV caches, or None where it does not apply."""
+        cache = cast(LlamaDecoderLayer, self.layers[0]).self_attn.attn.kv_cache
+        if cache is not self._decode_stack_cache:
+            self._decode_stack = decode_stack.build_decode_stack(self, LlamaAttention, LlamaMLP)
+            self._decode_stack_cache = cache
+        return self._decode_stack
 
 
 class LlamaForCausalLM(nn.Module):

@@ -332,7 +332,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab, _ = common.model_limits(model.path)
         cost = machine.model_cost(common.read_hf_config(model.path), args.dtype)
         limits = common.measure_limits(args)
-        rounds, notes = [], []
+        rounds: list[list[Measurement]] = []
+        notes: list[str] = []
         for _ in range(args.rounds):
             measurements, notes = run_round(args, model, cost, limits, vocab)
             rounds.append(measurements)
