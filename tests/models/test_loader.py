@@ -183,12 +183,14 @@ def test_non_float_dtype_rejected(config):
 
 
 @pytest.mark.parametrize("dtype,path", [(torch.float32, "forward_cpu"), (torch.bfloat16, "forward_native")])
-def test_model_ops_take_the_cpu_kernels_in_float32(llama_dir, config, dtype, path):
+def test_model_ops_take_the_cpu_kernels_in_float32(llama_dir, config, dtype, path, monkeypatch):
     from pagedllm.layers.cpu_kernels import cpu_ops
     from pagedllm.layers.custom_op import CustomOp
 
     if cpu_ops() is None:
         pytest.skip("the C++ kernels could not be built here")
+    # The modules themselves: a 12-token prompt is row-wise, which the decode stack would take.
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", "0")
     model = load(llama_dir, config, dtype=dtype)
     run_prompt(model, torch.arange(12))
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
