@@ -15,15 +15,7 @@
 #include <optional>
 #include <vector>
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
-void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
-                            at::Tensor block_table, at::Tensor seq_lens, double scale, int64_t window);
-void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor cos_sin_cache,
-                       int64_t head_dim);
-at::Tensor silu_and_mul(at::Tensor x);
-void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping);
-void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
-void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+#include "cpu_kernels.h"
 
 namespace {
 

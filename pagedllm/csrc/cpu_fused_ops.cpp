@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {

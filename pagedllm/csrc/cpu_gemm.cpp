@@ -15,6 +15,7 @@
 #include <torch/library.h>
 
 #include "cpu_gemm_common.h"
+#include "cpu_kernels.h"
 
 using namespace pagedllm_gemm;
 

@@ -12,6 +12,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {

@@ -85,29 +85,31 @@ def test_throughput_prefix_dataset_hits_cache(capsys, tmp_path, model_dir):
     assert report["results"][0]["prompt_tokens"] >= 4 * 50
 
 
-def test_latency(capsys, tmp_path, model_dir):
-    report = run_bench(
-        capsys,
-        tmp_path,
+def latency_args(model_dir: Path, *batch_sizes: str, prefill_len: str = "24") -> list[str]:
+    """``bench latency`` on the tiny model with the smallest sizes that still time every figure."""
+    return [
         "latency",
         "--model",
         str(model_dir),
         "--batch-sizes",
-        "1",
-        "3",
+        *batch_sizes,
         "--decode-steps",
         "2",
         "--warmup-steps",
         "1",
         "--prefill-len",
-        "24",
+        prefill_len,
         "--prefill-iters",
         "1",
         "--limits-copy-mib",
         "8",
         "--limits-gemm-n",
         "128",
-    )
+    ]
+
+
+def test_latency(capsys, tmp_path, model_dir):
+    report = run_bench(capsys, tmp_path, *latency_args(model_dir, "1", "3"))
     assert report["machine"]["copy_gbps"] > 0 and report["machine"]["gemm_gflops"] > 0
     figures = [(r["figure"], r["batch"]) for r in report["results"]]
     assert figures == [("prefill", 1), ("decode", 1), ("decode", 3)]
@@ -118,29 +120,7 @@ def test_latency(capsys, tmp_path, model_dir):
 
 
 def test_latency_rounds_report_the_median_round(capsys, tmp_path, model_dir):
-    report = run_bench(
-        capsys,
-        tmp_path,
-        "latency",
-        "--model",
-        str(model_dir),
-        "--batch-sizes",
-        "2",
-        "--decode-steps",
-        "1",
-        "--warmup-steps",
-        "1",
-        "--prefill-len",
-        "16",
-        "--prefill-iters",
-        "1",
-        "--limits-copy-mib",
-        "8",
-        "--limits-gemm-n",
-        "128",
-        "--rounds",
-        "3",
-    )
+    report = run_bench(capsys, tmp_path, *latency_args(model_dir, "2", prefill_len="16"), "--rounds", "3")
     assert [(r["figure"], r["batch"]) for r in report["results"]] == [("prefill", 1), ("decode", 2)]
     assert any("median of 3 rounds" in note for note in report["notes"])
 

@@ -1,0 +1,18 @@
+// The CPU kernels' C++ entry points, for the files that register them (cpu_ops.cpp) and those
+// that call them from another kernel (cpu_decode_stack.cpp). Each is defined in its own file.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+
+void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
+                            at::Tensor block_table, at::Tensor seq_lens, double scale, int64_t window);
+void rotary_embedding_(at::Tensor positions, at::Tensor query, at::Tensor key, at::Tensor cos_sin_cache,
+                       int64_t head_dim);
+at::Tensor silu_and_mul(at::Tensor x);
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping);
+void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
+void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
+// cpu_gemm.cpp: x [..., K] times a weight packed [N / 16, K, 16] (+ bias [N]).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
