@@ -1,4 +1,4 @@
-// A Llama decoder stack's decode step in one call: every layer's norms, packed GEMMs, RoPE, K/V
+// A Llama decoder stack's decode step in one call: every layer's norms, GEMMs (packed fp32, int8 or w8a8), RoPE, K/V
 // write, paged decode attention and SwiGLU, in the order the Python modules run them and with the
 // same kernels, so the result is bitwise the modules' result.
 //
@@ -19,11 +19,32 @@
 
 namespace {
 
-// One layer's tensors, as lists indexed by layer.
+// How the stack's linears are stored, one method for all of them (the quant_method of each layer).
+enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2 };
+
+// The per-layer tensors, as lists indexed by layer; the linears 4 per layer (qkv, o, gate_up,
+// down), with each one's scale and w8a8 compensation where its method has them.
 struct Layers {
-  at::TensorList input_norm, qkv, o, post_norm, gate_up, down, kv_cache;
+  at::TensorList input_norm, post_norm, kv_cache, linears;
+  const std::vector<std::optional<at::Tensor>>& scales;
+  const std::vector<std::optional<at::Tensor>>& comps;
   const std::vector<std::optional<at::Tensor>>& qkv_bias;
   const std::vector<int64_t>& windows;
+  Method method;
+  int64_t w8a8_path;
+
+  // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, as the layer's quant_method applies it.
+  at::Tensor linear(size_t i, int j, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
+    const size_t at = 4 * i + j;
+    switch (method) {
+      case Method::kInt8:
+        return packed_linear_int8(x, linears[at], *scales[at], bias);
+      case Method::kW8A8:
+        return linear_w8a8(x, linears[at], *scales[at], *comps[at], bias, w8a8_path);
+      default:
+        return packed_linear(x, linears[at], bias);
+    }
+  }
 };
 
 // hidden (the layer's input) and residual -> (the layer's MLP output, the residual stream before
@@ -40,7 +61,7 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const Layers& w, si
   } else {
     fused_add_rms_norm_(hidden, residual, w.input_norm[i], eps);
   }
-  const at::Tensor qkv = packed_linear(hidden, w.qkv[i], w.qkv_bias[i]);
+  const at::Tensor qkv = w.linear(i, 0, hidden, w.qkv_bias[i]);
   const at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
   rotary_embedding_(positions, q, k, cos_sin, head_dim);
@@ -48,27 +69,33 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const Layers& w, si
   at::Tensor attn = at::empty({tokens, heads, head_dim}, hidden.options());
   paged_decode_attention(attn, q.view({tokens, heads, head_dim}), w.kv_cache[i][0], w.kv_cache[i][1], table,
                          seq_lens, scale, w.windows[i]);
-  hidden = packed_linear(attn.view({tokens, q_size}), w.o[i], std::nullopt);
+  hidden = w.linear(i, 1, attn.view({tokens, q_size}), std::nullopt);
   fused_add_rms_norm_(hidden, residual, w.post_norm[i], eps);
-  hidden = packed_linear(silu_and_mul(packed_linear(hidden, w.gate_up[i], std::nullopt)), w.down[i], std::nullopt);
+  hidden = w.linear(i, 3, silu_and_mul(w.linear(i, 2, hidden, std::nullopt)), std::nullopt);
 }
 
 // hidden: the embedded tokens [T, H] (consumed: it becomes the residual stream); one query row
 // per token, every token's K/V written before attention reads it (decodes, speculative rows).
 // Returns norm(last layer's output + residual), the stack's final hidden states.
-at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList input_norm, at::TensorList qkv,
-                         std::vector<std::optional<at::Tensor>> qkv_bias, at::TensorList o,
-                         at::TensorList post_norm, at::TensorList gate_up, at::TensorList down,
+at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList input_norm,
+                         at::TensorList post_norm, at::TensorList linears,
+                         std::vector<std::optional<at::Tensor>> scales, std::vector<std::optional<at::Tensor>> comps,
+                         std::vector<std::optional<at::Tensor>> qkv_bias, int64_t method, int64_t w8a8_path,
                          at::TensorList kv_cache, std::vector<int64_t> windows, at::Tensor final_norm,
                          at::Tensor cos_sin_cache, at::Tensor slot_mapping, at::Tensor block_table,
                          at::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
                          double eps) {
   const size_t n = input_norm.size();
-  TORCH_CHECK(qkv.size() == n && qkv_bias.size() == n && o.size() == n && post_norm.size() == n &&
-                  gate_up.size() == n && down.size() == n && kv_cache.size() == n && windows.size() == n,
-              "decode_stack_: every per-layer list needs one entry per layer (", n, ")");
+  TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
+                  linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
+              "decode_stack_: every per-layer list needs one entry per layer (", n, "), the linears four");
+  TORCH_CHECK(method >= 0 && method <= 2, "decode_stack_: method must be 0 (packed), 1 (int8) or 2 (w8a8)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
-  const Layers w{input_norm, qkv, o, post_norm, gate_up, down, kv_cache, qkv_bias, windows};
+  const Method m = static_cast<Method>(method);
+  for (size_t j = 0; j < linears.size(); ++j)
+    TORCH_CHECK(m == Method::kPacked || (scales[j].has_value() && (m == Method::kInt8 || comps[j].has_value())),
+                "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation) of its method");
+  const Layers w{input_norm, post_norm, kv_cache, linears, scales, comps, qkv_bias, windows, m, w8a8_path};
   at::Tensor residual;
   for (size_t i = 0; i < n; ++i)
     decoder_layer(hidden, residual, w, i, positions, cos_sin_cache, slot_mapping, block_table, seq_lens, heads,
@@ -80,10 +107,10 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
-  m.def("decode_stack_(Tensor(a!) hidden, Tensor positions, Tensor[] input_norm, Tensor[] qkv, Tensor?[] qkv_bias, "
-        "Tensor[] o, Tensor[] post_norm, Tensor[] gate_up, Tensor[] down, Tensor(b!)[] kv_cache, int[] windows, "
-        "Tensor final_norm, Tensor cos_sin_cache, Tensor slot_mapping, Tensor block_table, Tensor seq_lens, "
-        "int heads, int kv_heads, int head_dim, float scale, float eps) -> Tensor");
+  m.def("decode_stack_(Tensor(a!) hidden, Tensor positions, Tensor[] input_norm, Tensor[] post_norm, "
+        "Tensor[] linears, Tensor?[] scales, Tensor?[] comps, Tensor?[] qkv_bias, int method, int w8a8_path, "
+        "Tensor(b!)[] kv_cache, int[] windows, Tensor final_norm, Tensor cos_sin_cache, Tensor slot_mapping, "
+        "Tensor block_table, Tensor seq_lens, int heads, int kv_heads, int head_dim, float scale, float eps) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {

@@ -38,6 +38,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -378,6 +379,8 @@ const float* float_vector(const std::optional<at::Tensor>& t, int64_t n, const c
   return t->data_ptr<float>();
 }
 
+}  // namespace
+
 // x: [..., K] fp32; packed: [N / 16, ceil(K / 4), 16, 4] int8; w_scale [N] fp32; w_comp [N]
 // int32 (128 * sum_k w); bias [N] or None; path: an index into w8a8_paths() -> [..., N] fp32.
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
@@ -408,7 +411,6 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
-}  // namespace
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("linear_w8a8(Tensor x, Tensor packed, Tensor w_scale, Tensor w_comp, Tensor? bias, int path=0) -> Tensor");

@@ -16,3 +16,9 @@ void rms_norm(at::Tensor out, at::Tensor x, at::Tensor weight, double eps);
 void fused_add_rms_norm_(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps);
 // cpu_gemm.cpp: x [..., K] times a weight packed [N / 16, K, 16] (+ bias [N]).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const std::optional<at::Tensor>& bias);
+// cpu_gemm_int8.cpp: weight-only int8, packed like the fp32 weight, one scale per output.
+at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                              const std::optional<at::Tensor>& bias);
+// cpu_gemm_w8a8.cpp: int8 weights x per-token int8 activations; path indexes w8a8_paths().
+at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
+                       const at::Tensor& w_comp, const std::optional<at::Tensor>& bias, int64_t path);

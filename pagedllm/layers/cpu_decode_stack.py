@@ -6,8 +6,8 @@ on an AVX2 machine, a third of the step. The op runs the same kernels in the sam
 result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
-with the kernels built, every linear in the packed fp32 layout (a bias only on qkv), no tensor
-parallelism, the attention layers' own Llama q/k path (Qwen3's per-head q/k norm is not), and
+with the kernels built, every linear of the layers in one of the packed fp32, ``int8`` or
+``w8a8`` methods, all the same (a bias only on qkv), no tensor parallelism, the attention layers' own Llama q/k path (Qwen3's per-head q/k norm is not), and
 an attention step whose every token is one query row on the paged decode kernel (decodes,
 speculative verification). Anything else runs the modules. ``PAGEDLLM_CPU_DECODE_STACK=0`` always
 runs the modules.
@@ -25,7 +25,9 @@ from pagedllm import envs
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend, TorchAttentionMetadata
 from pagedllm.layers.cpu_kernels import cpu_ops
+from pagedllm.layers.quantization.int8 import Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
+from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 
 
 @dataclass
@@ -34,12 +36,12 @@ class DecodeStack:
 
     op: Any
     input_norm: list[torch.Tensor]
-    qkv: list[torch.Tensor]
-    qkv_bias: list[torch.Tensor | None]
-    o: list[torch.Tensor]
     post_norm: list[torch.Tensor]
-    gate_up: list[torch.Tensor]
-    down: list[torch.Tensor]
+    linears: list[torch.Tensor]  # 4 per layer: qkv, o, gate_up, down
+    scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8)
+    comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8)
+    qkv_bias: list[torch.Tensor | None]
+    method: int  # 0 packed fp32, 1 int8, 2 w8a8 (csrc/cpu_decode_stack.cpp's Method)
     kv_cache: list[torch.Tensor]
     windows: list[int]
     final_norm: torch.Tensor
@@ -56,12 +58,13 @@ class DecodeStack:
             hidden,
             positions,
             self.input_norm,
-            self.qkv,
-            self.qkv_bias,
-            self.o,
             self.post_norm,
-            self.gate_up,
-            self.down,
+            self.linears,
+            self.scales,
+            self.comps,
+            self.qkv_bias,
+            self.method,
+            0,  # w8a8 path: the best this build compiled, as W8A8LinearMethod.apply uses
             self.kv_cache,
             self.windows,
             self.final_norm,
@@ -100,6 +103,11 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
     layers = list(model.layers)
     if not layers or not all(_layer_fits(layer, attention_cls, mlp_cls) for layer in layers):
         return None
+    linears = [lin for la in layers for lin in _linears(la)]
+    methods = {_method(lin) for lin in linears}
+    method = methods.pop()
+    if methods or method is None:  # one method for every linear (each layer fit, so none is None)
+        return None
     attn = layers[0].self_attn
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm]
     if len({n.eps for n in norms}) != 1 or any(not _cpu_fp32(n.weight) for n in norms):
@@ -117,12 +125,12 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
     return DecodeStack(
         op=ops.decode_stack_.default,
         input_norm=[la.input_layernorm.weight for la in layers],
-        qkv=[la.self_attn.qkv_proj.weight for la in layers],
-        qkv_bias=[la.self_attn.qkv_proj.bias for la in layers],
-        o=[la.self_attn.o_proj.weight for la in layers],
         post_norm=[la.post_attention_layernorm.weight for la in layers],
-        gate_up=[la.mlp.gate_up_proj.weight for la in layers],
-        down=[la.mlp.down_proj.weight for la in layers],
+        linears=[lin.weight for lin in linears],
+        scales=[getattr(lin, "weight_scale", None) if method else None for lin in linears],
+        comps=[getattr(lin, "weight_comp", None) if method == _W8A8 else None for lin in linears],
+        qkv_bias=[la.self_attn.qkv_proj.bias for la in layers],
+        method=method,
         kv_cache=[la.self_attn.attn.kv_cache for la in layers],
         windows=[la.self_attn.attn.sliding_window or 0 for la in layers],
         final_norm=model.norm.weight,
@@ -139,11 +147,28 @@ def _cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
-def _packed(linear: Any, bias_allowed: bool) -> bool:
+_PACKED, _INT8, _W8A8 = 0, 1, 2
+
+
+def _method(linear: Any) -> int | None:
+    """The op's method code for the layer's weights, or None when the op cannot apply it."""
     method = getattr(linear, "quant_method", None)
+    if isinstance(method, UnquantizedLinearMethod):
+        return _PACKED if method.layout is PACKED else None
+    if isinstance(method, W8A8LinearMethod):
+        return _W8A8 if method.quantized else None
+    if isinstance(method, Int8LinearMethod):
+        return _INT8 if method.quantized else None
+    return None
+
+
+def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
+    return layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj
+
+
+def _supported(linear: Any, bias_allowed: bool) -> bool:
     return bool(
-        isinstance(method, UnquantizedLinearMethod)
-        and method.layout is PACKED
+        _method(linear) is not None
         and linear.tp.size == 1
         and (bias_allowed or linear.bias is None)
         and (linear.bias is None or _cpu_fp32(cast(torch.Tensor, linear.bias)))
@@ -165,6 +190,6 @@ def _layer_fits(layer: Any, attention_cls: Any, mlp_cls: type[nn.Module]) -> boo
         and attn.attn.kv_cache is not None
         and _cpu_fp32(attn.attn.kv_cache)
         and type(mlp.act_fn) is SiluAndMul
-        and _packed(attn.qkv_proj, bias_allowed=True)
-        and all(_packed(lin, bias_allowed=False) for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        and _supported(attn.qkv_proj, bias_allowed=True)
+        and all(_supported(lin, bias_allowed=False) for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
     )

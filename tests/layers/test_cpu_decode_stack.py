@@ -1,6 +1,6 @@
 """The one-call CPU decode stack (``layers/cpu_decode_stack.py``) against the modules it replaces:
 the same kernels in the same order, so tokens and logprobs must be bitwise equal, on every model
-family it takes; the ones it does not take keep running the modules."""
+family and weight method it takes; the ones it does not take keep running the modules."""
 
 from __future__ import annotations
 
@@ -53,6 +53,9 @@ def test_qwen3_keeps_the_modules(qwen3_model_dir, monkeypatch):
     assert stack is None
 
 
-def test_quantized_linears_keep_the_modules(llama_model_dir, monkeypatch):
-    _, stack = _run(llama_model_dir, monkeypatch, stack_on=True, quantization="int8")
-    assert stack is None
+@pytest.mark.parametrize("quantization", ["int8", "w8a8"])
+def test_stack_takes_the_int8_methods_bitwise(llama_model_dir, monkeypatch, quantization):
+    modules, _ = _run(llama_model_dir, monkeypatch, stack_on=False, quantization=quantization)
+    stacked, stack = _run(llama_model_dir, monkeypatch, stack_on=True, quantization=quantization)
+    assert stack is not None and stack.method == {"int8": 1, "w8a8": 2}[quantization]
+    _same(stacked, modules)
