@@ -53,7 +53,6 @@ at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
   return io.y;
 }
 
-
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("packed_linear_int8(Tensor x, Tensor packed, Tensor scale, Tensor? bias) -> Tensor");
 }

@@ -281,15 +281,6 @@ void tile(const Problem& pr, int64_t m0, int64_t p0) {
     }
 }
 
-// Calls f(integral_constant<R>) for the largest R <= Max that is r (r >= 1), so a remainder of
-// rows or panels gets a tile exactly its size.
-template <int Max, class F>
-void with_size(int64_t r, F&& f) {
-  if constexpr (Max > 1)
-    if (r < Max) return with_size<Max - 1>(r, f);
-  f(std::integral_constant<int, Max>{});
-}
-
 // Row x [k] -> q [4 * k4] (zero-padded), its scale: sx = amax / 127 (1 for an all-zero row, whose
 // q is 0), q = nearbyint(x * (127 / amax)), stored + 128 for the unsigned paths.
 void quantize_row(const float* x, int64_t k, int64_t padded, bool to_unsigned, uint8_t* q, float* scale) {
@@ -339,8 +330,9 @@ void run_panels(const Problem& pr, int64_t m, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p += D::kPanels) {
       const int64_t np = std::min<int64_t>(D::kPanels, p1 - p);
       for (int64_t m0 = 0; m0 < rows; m0 += D::kRows)
-        with_size<D::kRows>(rows - m0, [&](auto tr) {
-          with_size<D::kPanels>(np, [&](auto tp) { tile<D, decltype(tr)::value, decltype(tp)::value>(blk, m0, p); });
+        pagedllm_vec::dispatch<D::kRows>(rows - m0, [&](auto tr) {
+          pagedllm_vec::dispatch<D::kPanels>(
+              np, [&](auto tp) { tile<D, decltype(tr)::value, decltype(tp)::value>(blk, m0, p); });
         });
     }
   }
@@ -410,7 +402,6 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::
   });
   return y;
 }
-
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("linear_w8a8(Tensor x, Tensor packed, Tensor w_scale, Tensor w_comp, Tensor? bias, int path=0) -> Tensor");

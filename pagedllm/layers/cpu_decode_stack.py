@@ -6,11 +6,11 @@ on an AVX2 machine, a third of the step. The op runs the same kernels in the sam
 result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
-with the kernels built, every linear of the layers in one of the packed fp32, ``int8`` or
-``w8a8`` methods, all the same (a bias only on qkv), no tensor parallelism, the attention layers' own Llama q/k path (Qwen3's per-head q/k norm is not), and
-an attention step whose every token is one query row on the paged decode kernel (decodes,
-speculative verification). Anything else runs the modules. ``PAGEDLLM_CPU_DECODE_STACK=0`` always
-runs the modules.
+with the kernels built; every linear of the layers in one method, packed fp32, ``int8`` or
+``w8a8`` (a bias only on qkv); no tensor parallelism; the attention layers' own Llama q/k path
+(Qwen3's per-head q/k norm is not); and an attention step whose every token is one query row on
+the paged decode kernel (decodes, speculative verification). Anything else runs the modules.
+``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules.
 """
 
 from __future__ import annotations
@@ -104,10 +104,10 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
     if not layers or not all(_layer_fits(layer, attention_cls, mlp_cls) for layer in layers):
         return None
     linears = [lin for la in layers for lin in _linears(la)]
-    methods = {_method(lin) for lin in linears}
-    method = methods.pop()
-    if methods or method is None:  # one method for every linear (each layer fit, so none is None)
+    methods = {_method(lin) for lin in linears}  # no None: every layer fit
+    if len(methods) != 1:
         return None
+    method = cast(int, methods.pop())
     attn = layers[0].self_attn
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm]
     if len({n.eps for n in norms}) != 1 or any(not _cpu_fp32(n.weight) for n in norms):
@@ -190,6 +190,5 @@ def _layer_fits(layer: Any, attention_cls: Any, mlp_cls: type[nn.Module]) -> boo
         and attn.attn.kv_cache is not None
         and _cpu_fp32(attn.attn.kv_cache)
         and type(mlp.act_fn) is SiluAndMul
-        and _supported(attn.qkv_proj, bias_allowed=True)
-        and all(_supported(lin, bias_allowed=False) for lin in (attn.o_proj, mlp.gate_up_proj, mlp.down_proj))
+        and all(_supported(lin, bias_allowed=lin is attn.qkv_proj) for lin in _linears(layer))
     )

@@ -176,8 +176,7 @@ class TorchAttentionBackend(AttentionBackend):
         )
 
     def forward(self, layer, q, k, v, metadata: TorchAttentionMetadata) -> torch.Tensor:
-        kv_cache = layer.kv_cache
-        self.write_kv(kv_cache, k, v, metadata.slot_mapping)
+        self.write_kv(layer.kv_cache, k, v, metadata.slot_mapping)
         num_heads, num_kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # contiguous even when q is a strided view
@@ -185,8 +184,8 @@ class TorchAttentionBackend(AttentionBackend):
             self._decode_kernel(layer, q, out, metadata)
             if metadata.all_rowwise:
                 return out.view(-1, num_heads * head_dim)
-        key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
-        value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
+        key_cache = layer.key_cache.view(-1, num_kv_heads, head_dim)
+        value_cache = layer.value_cache.view(-1, num_kv_heads, head_dim)
         if metadata.decode_table is None and metadata.decode_rows is not None:
             self._decode(layer, q, out, key_cache, value_cache, metadata)
         for i, seq in enumerate(metadata.prefills):
