@@ -12,7 +12,7 @@ import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
+from typing import Any, Literal
 
 # Temperatures below this are greedy: the one threshold (SamplingParams normalises them to 0 and
 # the sampler tests its per-row temperatures against it).
@@ -96,10 +96,36 @@ _STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 @dataclass
 class SamplingParams:
-    """How to sample the next tokens of one request."""
+    """How to sample the next tokens of one request.
+
+    Beyond vLLM's usual knobs:
+
+    * ``best_of``: None or equal to ``n``. Like vLLM V1 (which refuses ``best_of > 1``; current
+      vLLM has dropped the field), this engine returns every sequence it samples and ranks none;
+      ``best_of > n`` is refused (ask for ``n`` samples with ``logprobs`` and pick yourself),
+      ``best_of == n`` is accepted as the no-op it is.
+    * ``bad_words``: words that must not be generated. The engine tokenizes each one when the
+      request is added, bare and with a leading space (``bad_words_token_ids``); at every step,
+      for each such sequence whose all-but-last tokens end the output so far, its last token is
+      banned. Only exact token sequences are banned, and only the generated tokens count as the
+      prefix (not the prompt), as in vLLM.
+    * ``truncate_prompt_tokens``: keep only k prompt tokens (k >= 1), or -1 for as many as fit
+      (``max_model_len - max_tokens``, or ``max_model_len - 1`` without ``max_tokens``); None
+      keeps the whole prompt. ``truncation_side`` says which end is kept: ``"left"`` (the default,
+      vLLM's documented meaning) drops the start and keeps the last k tokens, ``"right"`` keeps
+      the first k. Applied when the request is added: outputs report the kept tokens.
+    * ``extra_args``: free-form data carried with the request to the sampler (vLLM passes it to
+      custom logits processors). The engine itself reads no key of it; it must be msgpack-
+      serializable to cross to an engine process.
+    * ``logprobs`` / ``prompt_logprobs``: -1 asks for the whole vocabulary at each position (as
+      vLLM), which the engine's ``max_logprobs`` must allow (``max_logprobs=-1``).
+    * ``logits_processors``: refused. Per-request Python callables do not run in this engine (as
+      in vLLM V1); use ``logit_bias``, ``allowed_token_ids``, ``bad_words`` or
+      ``structured_outputs`` instead.
+    """
 
     n: int = 1
-    best_of: int | None = None
+    best_of: int | None = None  # None or n: see the class docstring
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -123,8 +149,14 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None  # None, -1 (as many as fit) or k >= 1
+    truncation_side: Literal["left", "right"] = "left"  # left: keep the last k tokens
+    extra_args: dict[str, Any] | None = None  # passed through; the engine reads no key
+    logits_processors: list[Any] | None = None  # refused unless empty: see the class docstring
     # Filled in by the engine, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # token sequences of bad_words
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -143,6 +175,10 @@ class SamplingParams:
         self.output_kind = RequestOutputKind(self.output_kind)
         if isinstance(self.structured_outputs, dict):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.bad_words is None:
+            self.bad_words = []
+        elif isinstance(self.bad_words, (list, tuple)) and all(isinstance(w, str) for w in self.bad_words):
+            self.bad_words = list(dict.fromkeys(self.bad_words))  # duplicates dropped, order kept
         self._verify()
         if self.temperature < SAMPLING_EPS:
             # Greedy: the other sampling knobs have no effect, normalise them away.
@@ -163,8 +199,6 @@ class SamplingParams:
                 "a finite number",
             )
         _check(isinstance(self.n, int) and self.n >= 1, "n", self.n, "an integer >= 1")
-        if self.best_of is not None:
-            _check(self.best_of >= self.n, "best_of", self.best_of, f">= n ({self.n})")
         _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "[-2, 2]")
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "[-2, 2]")
         _check(self.repetition_penalty > 0.0, "repetition_penalty", self.repetition_penalty, "> 0")
@@ -194,7 +228,12 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check(isinstance(value, int) and value >= 0, name, value, "None or an integer >= 0")
+                _check(
+                    isinstance(value, int) and value >= -1,
+                    name,
+                    value,
+                    "None, -1 (the whole vocabulary) or an integer >= 0",
+                )
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", self.seed, "an integer")
         _check(
@@ -225,6 +264,57 @@ class SamplingParams:
             )
             # The grammar decides where the output ends; masking its end tokens would leave nothing.
             _check(self.min_tokens == 0, "min_tokens", self.min_tokens, "0 when structured_outputs is set")
+        self._verify_best_of()
+        self._verify_request_options()
+
+    def _verify_best_of(self) -> None:
+        if self.best_of is None:
+            return
+        _check(
+            isinstance(self.best_of, int) and not isinstance(self.best_of, bool),
+            "best_of",
+            self.best_of,
+            "None or an integer",
+        )
+        _check(self.best_of >= self.n, "best_of", self.best_of, f">= n ({self.n})")
+        _check(
+            self.best_of == self.n,
+            "best_of",
+            self.best_of,
+            f"None or equal to n ({self.n}): like vLLM V1 this engine returns every sample and ranks "
+            "none; ask for n samples with logprobs and pick the best yourself",
+        )
+
+    def _verify_request_options(self) -> None:
+        words = self.bad_words
+        _check(
+            isinstance(words, list) and all(isinstance(w, str) and w.strip() for w in words),
+            "bad_words",
+            words,
+            "a list of non-empty strings",
+        )
+        k = self.truncate_prompt_tokens
+        if k is not None:
+            _check(
+                isinstance(k, int) and not isinstance(k, bool) and (k >= 1 or k == -1),
+                "truncate_prompt_tokens",
+                k,
+                "None (no truncation), -1 (as many as fit) or an integer >= 1",
+            )
+        _check(self.truncation_side in ("left", "right"), "truncation_side", self.truncation_side, "'left' or 'right'")
+        if self.extra_args is not None:
+            _check(
+                isinstance(self.extra_args, dict) and all(isinstance(key, str) for key in self.extra_args),
+                "extra_args",
+                self.extra_args,
+                "None or a dict with string keys",
+            )
+        if self.logits_processors:
+            raise ValueError(
+                "logits_processors are not supported: this engine (like vLLM V1) does not run "
+                "per-request Python callables; use logit_bias, allowed_token_ids, bad_words or "
+                "structured_outputs instead"
+            )
 
     def verify_vocab(self, vocab_size: int) -> None:
         """Check the token ids a user passed against the model's vocabulary."""

@@ -120,6 +120,7 @@ def test_unknown_architecture(llama_model_dir, tmp_path):
         ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, triton"),
         ({"quantization": "int4"}, "quantization must be None"),
         ({"structured_outputs_backend": "outlines"}, "structured_outputs_backend must be one of"),
+        ({"max_logprobs": -2}, r"max_logprobs must be -1 \(no cap\) or an integer >= 0"),
     ],
 )
 def test_bad_values(llama_model_dir, kwargs, match):
@@ -207,3 +208,14 @@ def test_prompt_lookup_defaults_are_defined_once(llama_model_dir):
     plain = SpeculativeConfig("ngram", 3)
     assert (built.speculative_config.prompt_lookup_min, built.speculative_config.prompt_lookup_max) == (2, 4)
     assert built.speculative_config == plain
+
+
+def test_max_logprobs_default_cap_and_flag(llama_model_dir):
+    """vLLM's default (20) and -1 = no cap (the whole vocabulary); a `serve --max-logprobs` flag."""
+    from pagedllm.entrypoints.cli import build_parser
+
+    assert _config(llama_model_dir).model_config.max_logprobs == 20
+    assert _config(llama_model_dir, max_logprobs=3).model_config.logprobs_cap == 3
+    no_cap = _config(llama_model_dir, max_logprobs=-1).model_config
+    assert no_cap.max_logprobs == -1 and no_cap.logprobs_cap == no_cap.arch.vocab_size
+    assert build_parser().parse_args(["serve", "--max-logprobs", "7"]).max_logprobs == 7

@@ -35,6 +35,19 @@ from pagedllm.sampling_params import SamplingParams
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop": [""]}, "stop"),
         ({"seed": 1.5}, "seed"),
+        ({"best_of": 3, "n": 2}, "best_of"),
+        ({"best_of": True}, "best_of"),
+        ({"bad_words": "darn"}, "bad_words"),
+        ({"bad_words": ["ok", ""]}, "bad_words"),
+        ({"bad_words": ["  "]}, "bad_words"),
+        ({"bad_words": [3]}, "bad_words"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens"),
+        ({"truncate_prompt_tokens": 2.0}, "truncate_prompt_tokens"),
+        ({"truncation_side": "middle"}, "truncation_side"),
+        ({"extra_args": ["a"]}, "extra_args"),
+        ({"extra_args": {1: "a"}}, "extra_args"),
     ],
 )
 def test_out_of_range_field_raises_naming_it(kwargs: dict, field: str) -> None:
@@ -111,3 +124,57 @@ def test_clone_revalidates_and_bools_rejected() -> None:
         SamplingParams(max_tokens=True)
     with pytest.raises(ValueError, match="^stop_token_ids"):
         SamplingParams(stop_token_ids=5)
+
+
+# ------------------------------------------------------------------ vLLM's request options
+def test_best_of_none_or_n_accepted_more_refused_with_the_reason() -> None:
+    assert SamplingParams(n=3, best_of=3).best_of == 3
+    assert SamplingParams(n=2).best_of is None
+    with pytest.raises(ValueError, match=r"^best_of must be >= n \(3\), got 2"):
+        SamplingParams(n=3, best_of=2)
+    with pytest.raises(ValueError, match=r"^best_of must be None or equal to n \(1\): like vLLM V1 .* logprobs"):
+        SamplingParams(best_of=4)
+
+
+def test_logits_processors_are_refused_with_what_to_use_instead() -> None:
+    with pytest.raises(ValueError, match="per-request Python callables") as info:
+        SamplingParams(logits_processors=[lambda ids, logits: logits])
+    for alternative in ("logit_bias", "allowed_token_ids", "bad_words", "structured_outputs"):
+        assert alternative in str(info.value)
+    assert SamplingParams(logits_processors=[]).logits_processors == []  # nothing to run: accepted, as vLLM V1
+
+
+def test_bad_words_normalised_and_token_ids_left_to_the_engine() -> None:
+    params = SamplingParams(bad_words=["darn", "heck", "darn"])
+    assert params.bad_words == ["darn", "heck"] and params.bad_words_token_ids == []
+    assert SamplingParams().bad_words == []
+
+
+def test_extra_args_kept_and_copied_by_clone() -> None:
+    extra = {"my_processor": {"window": 3, "ids": [1, 2]}}
+    params = SamplingParams(extra_args=extra)
+    assert params.extra_args is extra
+    copy = params.clone()
+    assert copy.extra_args == extra and copy.extra_args is not extra
+
+
+def test_truncation_options() -> None:
+    assert SamplingParams().truncate_prompt_tokens is None and SamplingParams().truncation_side == "left"
+    assert SamplingParams(truncate_prompt_tokens=-1).truncate_prompt_tokens == -1
+    params = SamplingParams(truncate_prompt_tokens=5, truncation_side="right")
+    assert (params.truncate_prompt_tokens, params.truncation_side) == (5, "right")
+
+
+def test_new_fields_cross_the_engine_socket() -> None:
+    """The engine-process path encodes SamplingParams with msgspec: every new field survives."""
+    import msgspec
+
+    from pagedllm.engine.protocol import EngineCoreRequest
+
+    params = SamplingParams(
+        bad_words=["darn"], truncate_prompt_tokens=4, truncation_side="right", extra_args={"k": [1, 2]}, n=2, best_of=2
+    )
+    params.bad_words_token_ids = [[5, 6], [7]]
+    request = EngineCoreRequest("r", [1, 2, 3], params, None, cache_salt="salt")
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+    assert back.sampling_params == params and back.cache_salt == "salt"

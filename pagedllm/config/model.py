@@ -31,10 +31,16 @@ class ModelConfig:
     trust_remote_code: bool
     served_model_name: str
     quantization: str | None = None  # None | int8 (weight-only) | w8a8 (int8 weights and activations); CPU float32
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def logprobs_cap(self) -> int:
+        """max_logprobs as a number of tokens: -1 (no cap) means the whole vocabulary."""
+        return self.arch.vocab_size if self.max_logprobs < 0 else min(self.max_logprobs, self.arch.vocab_size)
 
 
 @dataclass
@@ -84,6 +90,9 @@ class ModelArgs:
         None, "context length (prompt + output)", default_help="the model's max_position_embeddings"
     )
     seed: int = option(0, "random seed for dummy weights and unseeded sampling")
+    max_logprobs: int = option(
+        20, "the most logprobs (and prompt_logprobs) a request may ask for; more is an error; -1: no cap"
+    )
     trust_remote_code: bool = option(False, "allow custom code from the model directory")
 
     def model_dir(self) -> str:
@@ -106,6 +115,7 @@ class ModelArgs:
         check_architecture(arch)
         dtype = resolve_dtype(self.dtype, arch, device)
         check_quantization(self.quantization, device, dtype)
+        check_max_logprobs(self.max_logprobs)
         return ModelConfig(
             model=model_dir,
             tokenizer=self.tokenizer or model_dir,
@@ -117,6 +127,7 @@ class ModelArgs:
             trust_remote_code=self.trust_remote_code,
             served_model_name=self.served_model_name or (self.model or DEMO_MODEL_NAME),
             quantization=self.quantization,
+            max_logprobs=self.max_logprobs,
         )
 
 
@@ -157,6 +168,11 @@ def check_quantization(quantization: str | None, device: str, dtype: str) -> Non
             f"quantization={quantization!r} needs dtype float32 (its layers take float32 activations), got "
             f"{dtype}; pass dtype='float32' (or 'auto') or drop the quantization"
         )
+
+
+def check_max_logprobs(max_logprobs: int) -> None:
+    if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < -1:
+        raise ValueError(f"max_logprobs must be -1 (no cap) or an integer >= 0, got {max_logprobs!r}")
 
 
 def resolve_max_model_len(requested: int | None, arch: ModelArchConfig) -> int:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import time
 
 from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from pagedllm.core.request_events import RequestEvents
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.core.step_plan import StepPlan, build_scheduler_output
 from pagedllm.core.step_result import append_and_check_stop, make_output, settle_spec_tokens
 from pagedllm.engine.protocol import (
+    EngineCoreEventType,
     EngineCoreOutput,
     EngineCoreOutputs,
     FinishReason,
@@ -63,11 +65,13 @@ class Scheduler:
         self._pending_outputs: list[EngineCoreOutput] = []  # requests that failed outside a step
         self.num_preemptions = 0  # since the last stats snapshot
         self.total_preemptions = 0
+        self.events = RequestEvents()  # queued/scheduled timestamps on their way to the front end
 
     # ------------------------------------------------------------------ requests in/out
     def add_request(self, request: Request) -> None:
         """Queue a request; it is scheduled from the next step on."""
         self.requests[request.request_id] = request
+        self.events.record(request.request_id, EngineCoreEventType.QUEUED)
         if request.status == RequestStatus.WAITING_FOR_FSM:
             self.compiling.append(request)
         else:
@@ -86,6 +90,15 @@ class Scheduler:
             else:
                 self.waiting.remove(request)
             self._free_request(request, status)
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix block, so no later lookup hits (vLLM's semantics). Refused
+        (False) while requests hold blocks, unless ``reset_running_requests``: then every running
+        request is preempted first (back to the front of the queue, in order; it recomputes)."""
+        if reset_running_requests:
+            for request in reversed(list(self.running)):
+                self._preempt(request)
+        return self.kv_cache_manager.reset_prefix_cache()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.running) or len(self.waiting) > 0 or bool(self.compiling)
@@ -217,6 +230,7 @@ class Scheduler:
             plan.new_reqs.append(request)
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
+        self.events.record(request.request_id, EngineCoreEventType.SCHEDULED)
         if request.num_cached_tokens < 0:
             # Reported once, at the first admission: a lookup that then failed to get blocks
             # may have seen fewer hits than the admission that follows it.
@@ -243,7 +257,9 @@ class Scheduler:
             if request.is_finished:
                 self.running.remove(request)
                 self._free_request(request, request.status)
-        return EngineCoreOutputs(outputs=outputs, scheduler_stats=self.make_stats())
+        return EngineCoreOutputs(
+            outputs=outputs, scheduler_stats=self.make_stats(scheduler_output.total_num_scheduled_tokens)
+        )
 
     def _update_request(
         self, request: Request, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -261,6 +277,7 @@ class Scheduler:
         if not new_ids and prompt_lp is None and not request.is_finished:
             return None
         output = make_output(request, new_ids, runner_output, prompt_lp)
+        output.events = self.events.take(req_id)
         if num_drafts:
             output.num_draft_tokens, output.num_accepted_tokens = num_drafts, num_accepted
         return output
@@ -271,18 +288,23 @@ class Scheduler:
         if self.spec_policy is not None:
             self.spec_policy.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)
+        self.events.forget(request.request_id)
         del self.requests[request.request_id]
 
     # ------------------------------------------------------------------ stats
-    def make_stats(self) -> SchedulerStats:
+    def make_stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
+        """The snapshot after a step that computed ``num_scheduled_tokens`` (0: no model step).
+        Requests waiting for their grammar are deferred; the rest of the queue waits for capacity."""
         queries, hits = self.kv_cache_manager.make_prefix_cache_stats()
         stats = SchedulerStats(
-            len(self.running),
-            len(self.waiting) + len(self.compiling),
-            self.kv_cache_manager.usage,
-            queries,
-            hits,
-            self.num_preemptions,
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting) + len(self.compiling),
+            num_deferred_reqs=len(self.compiling),
+            kv_cache_usage=self.kv_cache_manager.usage,
+            prefix_cache_queries=queries,
+            prefix_cache_hits=hits,
+            num_preemptions=self.num_preemptions,
+            num_scheduled_tokens=num_scheduled_tokens,
         )
         self.num_preemptions = 0
         if self.spec_stats is not None and self.spec_stats.num_drafts:

@@ -40,6 +40,8 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.stats_tracker = IterationStatsTracker()
         self.stat_loggers: list[StatLogger] = list(stat_loggers or [])
+        for stat_logger in self.stat_loggers:
+            stat_logger.log_engine_initialized(config, self.client.capacity["num_blocks"])
         self.dead_error: EngineDeadError | None = None
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: asyncio.Task | None = None
@@ -127,9 +129,9 @@ class AsyncLLM:
         self._queues[request_id] = queue
         self._ensure_output_task()
         children = self.output_processor.fan_out(request, text, queue=queue)
+        self.stats_tracker.add_requests(children)
         try:
             for child in children:
-                self.stats_tracker.add_request(child.request_id, child.arrival_time, len(child.prompt_token_ids))
                 await self.client.add_request(child)
         except BaseException:  # cancelled mid fan-out: children already sent must not run on
             self._queues.pop(request_id, None)
@@ -186,7 +188,7 @@ class AsyncLLM:
             self._mark_dead(exc)
 
     async def _handle_outputs(self, outputs) -> None:
-        iteration = self.stats_tracker.observe(outputs.outputs)
+        iteration = self.stats_tracker.observe(outputs)
         processed = self.output_processor.process_outputs(outputs.outputs)
         if processed.reqs_to_abort:
             now = time.monotonic()
@@ -222,6 +224,11 @@ class AsyncLLM:
         self._check_alive()
         self._ensure_output_task()
         return await self.client.call_utility(name, *args)
+
+    async def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached prefix block in the engine process (a utility call between steps);
+        False while requests hold blocks, unless ``reset_running_requests`` preempts them first."""
+        return bool(await self.call_utility("reset_prefix_cache", reset_running_requests))
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._queues)

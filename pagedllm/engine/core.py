@@ -61,6 +61,17 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached prefix block; False while requests hold blocks (see the scheduler's)."""
+        done = self.scheduler.reset_prefix_cache(reset_running_requests)
+        if not done:
+            logger.warning(
+                "prefix cache not reset: %d running requests hold KV blocks (reset_running_requests "
+                "preempts them first)",
+                len(self.scheduler.running),
+            )
+        return done
+
     def step(self) -> EngineCoreOutputs:
         """One iteration: plan, run the model, apply the results."""
         if not self.scheduler.has_unfinished_requests():

@@ -191,8 +191,8 @@ class EngineCoreProc:
         self.core.check_integrity()
         return True
 
-    def utility_reset_prefix_cache(self) -> bool:
-        return self.core.scheduler.kv_cache_manager.reset_prefix_cache()
+    def utility_reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        return self.core.reset_prefix_cache(reset_running_requests)
 
     def utility_capacity(self) -> dict:
         return {

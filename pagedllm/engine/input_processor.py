@@ -11,7 +11,8 @@ from pagedllm.engine.tokenizer import generation_eos_token_ids
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.structured_output.manager import make_grammar_compiler
 
-# A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids".
+# A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids" (and optionally
+# "cache_salt": requests with different salts never share prefix-cache blocks).
 PromptType = str | list[int] | dict[str, Any]
 
 
@@ -21,6 +22,7 @@ class InputProcessor:
         self.tokenizer = tokenizer
         self.max_model_len = config.model_config.max_model_len
         self.vocab_size = config.model_config.arch.vocab_size
+        self.max_logprobs = config.model_config.max_logprobs
         self.scheduling_policy = config.scheduler_config.policy
         self.eos_token_id = tokenizer.eos_token_id
         if self.eos_token_id is None and config.model_config.arch.eos_token_ids:
@@ -55,11 +57,15 @@ class InputProcessor:
     ) -> tuple[EngineCoreRequest, str | None]:
         """Validate and build the core request. ``strict_max_tokens``: too-long max_tokens is an
         error (the server's behaviour) instead of being capped by max_model_len. ``check_grammar``:
-        compile a structured-output constraint here, blocking (async callers use ``acheck``)."""
+        compile a structured-output constraint here, blocking (async callers use ``acheck``).
+        ``cache_salt``: the prompt dict's ``"cache_salt"`` takes its place when present."""
         self._check_priority(priority)
+        self._check_logprobs(params)
         if check_grammar and params.structured_outputs is not None:
             self.grammar_compiler.check(params.structured_outputs)
+        cache_salt = _cache_salt(prompt, cache_salt)
         text, token_ids = self.tokenize(prompt)
+        token_ids = self._truncate(token_ids, params)
         self._validate_prompt(token_ids)
         params = self._finalize_params(params, len(token_ids), strict_max_tokens)
         request = EngineCoreRequest(
@@ -81,6 +87,46 @@ class InputProcessor:
                 f"{self.scheduling_policy}: start it with --scheduling-policy priority "
                 "(LLM(..., scheduling_policy='priority')), or leave priority at 0"
             )
+
+    def _check_logprobs(self, params: SamplingParams) -> None:
+        """logprobs / prompt_logprobs above the engine's max_logprobs (-1: no cap) are errors;
+        -1 asks for the whole vocabulary."""
+        if self.max_logprobs < 0:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and self._num_logprobs(value) > self.max_logprobs:
+                whole = f" (the whole vocabulary, {self.vocab_size})" if value == -1 else ""
+                raise ValueError(
+                    f"{name}={value}{whole} is more than this engine's max_logprobs={self.max_logprobs}; ask for "
+                    f"at most {self.max_logprobs}, or start the engine with a larger --max-logprobs "
+                    "(LLM(..., max_logprobs=N); -1 for no cap)"
+                )
+
+    def _num_logprobs(self, value: int) -> int:
+        return self.vocab_size if value == -1 else value
+
+    def _truncate(self, token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Keep ``truncate_prompt_tokens`` tokens: the last ones (left side) or the first (right)."""
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:  # as many as leave room for max_tokens (at least one token)
+            keep = self.max_model_len - (params.max_tokens or 1)
+            if keep < 1:
+                raise ValueError(
+                    f"truncate_prompt_tokens=-1 keeps max_model_len ({self.max_model_len}) - max_tokens "
+                    f"({params.max_tokens}) = {keep} prompt tokens; lower max_tokens"
+                )
+        elif keep >= self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={keep} leaves no room to generate within max_model_len="
+                f"{self.max_model_len}; pass at most {self.max_model_len - 1}, or -1 for as many as fit"
+            )
+        return token_ids[-keep:] if params.truncation_side == "left" else token_ids[:keep]
+
+    def _encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
         if not token_ids:
@@ -111,4 +157,37 @@ class InputProcessor:
         if not params.ignore_eos:
             stops |= self.extra_eos_ids | ({self.eos_token_id} if self.eos_token_id is not None else set())
         params.all_stop_token_ids = stops
+        for name in ("logprobs", "prompt_logprobs"):  # -1: the whole vocabulary, as a count the sampler takes
+            if getattr(params, name) == -1:
+                setattr(params, name, self.vocab_size)
+        params.bad_words_token_ids = self._tokenize_bad_words(params.bad_words or [])
         return params
+
+    def _tokenize_bad_words(self, words: list[str]) -> list[list[int]]:
+        """Each word's token sequences: as written (leading spaces stripped) and after a space,
+        the form it takes inside a text. vLLM keeps the spaced form only when it has as many
+        tokens as the bare one, which lets a mid-text word through whenever the space merges
+        into its tokens differently; every distinct form is kept here."""
+        sequences: list[list[int]] = []
+        for word in words:
+            bare, spaced = (self._encode(text) for text in (word.lstrip(), " " + word.lstrip()))
+            if not bare:
+                raise ValueError(f"bad_words entry {word!r} tokenizes to no tokens; remove it")
+            for ids in (bare, spaced):
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        bad = sorted({t for ids in sequences for t in ids if not 0 <= t < self.vocab_size})
+        if bad:
+            raise ValueError(
+                f"bad_words tokenize to ids {bad[:5]} outside the model's vocabulary [0, {self.vocab_size})"
+            )
+        return sequences
+
+
+def _cache_salt(prompt: PromptType, cache_salt: str | None) -> str | None:
+    """The prompt dict's ``"cache_salt"`` if it has one, else ``cache_salt``; a non-empty string."""
+    if isinstance(prompt, dict) and "cache_salt" in prompt:
+        cache_salt = prompt["cache_salt"]
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string (or left out), got {cache_salt!r}")
+    return cache_salt

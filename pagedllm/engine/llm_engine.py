@@ -63,6 +63,11 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return self.output_processor.get_num_unfinished_requests()
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Drop every cached prefix block (the in-process engine core's); False while requests
+        hold blocks, unless ``reset_running_requests`` preempts them first."""
+        return self.engine_core.reset_prefix_cache(reset_running_requests)
+
     def check_integrity(self) -> None:
         self.engine_core.check_integrity()
 

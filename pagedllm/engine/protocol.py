@@ -74,6 +74,20 @@ class LogprobsLists(msgspec.Struct, array_like=True):
     sampled_token_ranks: list[int]  # rank of the chosen token in the full distribution (1 = best)
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """A moment in a request's life that only the engine core sees (for the latency metrics)."""
+
+    QUEUED = 1  # handed to the scheduler
+    SCHEDULED = 2  # admitted to the running batch (again after each preemption)
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True):
+    """``timestamp`` is the engine core's ``time.monotonic()``, as is ``EngineCoreOutputs.timestamp``."""
+
+    type: EngineCoreEventType
+    timestamp: float
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     """What one step produced for one request."""
 
@@ -86,6 +100,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_draft_tokens: int = 0  # speculative decoding: proposals verified this step
     num_accepted_tokens: int = 0  # of those, accepted
+    events: list[EngineCoreEvent] | None = None  # since the request's last output, oldest first
 
     @property
     def finished(self) -> bool:
@@ -116,10 +131,12 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
+    num_deferred_reqs: int = 0  # of the waiting, those blocked on their grammar, not on capacity
     kv_cache_usage: float = 0.0
     prefix_cache_queries: int = 0  # tokens looked up this step
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0  # this step
+    num_scheduled_tokens: int = 0  # tokens the model computed this step; 0 when no model step ran
     spec_decoding: SpecDecodingStats | None = None  # None when speculation is off or idle
 
 

@@ -32,6 +32,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached prefix block, so the next identical prompt is computed afresh
+        (vLLM's name and result). False, with nothing changed, while requests hold KV blocks
+        (none do between ``generate`` calls), unless ``reset_running_requests``: then they are
+        preempted first and recompute."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -39,7 +46,9 @@ class LLM:
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """One output per prompt, in prompt order."""
+        """One output per prompt, in prompt order. A prompt is text, token ids, or a dict with
+        ``"prompt"`` or ``"prompt_token_ids"`` and optionally ``"cache_salt"`` (prompts with
+        different salts never share prefix-cache blocks; equal salts do)."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)

@@ -1,166 +1,211 @@
 """Prometheus metrics under vLLM's names (prefix ``vllm:``), so existing dashboards work unchanged.
 
-Every metric carries a ``model_name`` label. Each logger owns its own ``CollectorRegistry``
-(never the process-global one), so several servers or tests can live in one process.
-prometheus_client appends ``_total`` to counter names itself: ``Counter("vllm:prompt_tokens")``
-is exposed as ``vllm:prompt_tokens_total``.
+The series are vLLM's V1 set, name for name, type for type, label for label and with vLLM's
+bucket edges; docs/metrics.md lists them and says which stay at zero here and why. Every series
+carries ``model_name`` and ``engine`` (always "0": one engine core per front end). Each logger
+owns its own ``CollectorRegistry`` (never the process-global one), so several servers or tests
+can live in one process. prometheus_client appends ``_total`` to counter names itself:
+``Counter("vllm:prompt_tokens")`` is exposed as ``vllm:prompt_tokens_total``.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from pagedllm.engine.protocol import SchedulerStats, SpecDecodingStats
-from pagedllm.metrics.stats import IterationStats
+from pagedllm.metrics.buckets import (
+    ITERATION_TOKENS_BUCKETS,
+    ITL_BUCKETS,
+    N_PARAM_BUCKETS,
+    REQUEST_LATENCY_BUCKETS,
+    TTFT_BUCKETS,
+    build_1_2_5_buckets,
+)
+from pagedllm.metrics.stats import CompletedTiming, FinishedRequestStats, IterationStats
+
+if TYPE_CHECKING:
+    from pagedllm.config import EngineConfig
 
 METRIC_PREFIX = "vllm:"
-FINISH_REASONS = ("stop", "length", "abort")
-
-# Bucket edges as vLLM's (seconds).
-TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-    160.0,
-    640.0,
-    2560.0,
-)
-ITL_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-E2E_BUCKETS = (
-    0.3,
-    0.5,
-    0.8,
-    1.0,
-    1.5,
-    2.0,
-    2.5,
-    5.0,
-    10.0,
-    15.0,
-    20.0,
-    30.0,
-    40.0,
-    50.0,
-    60.0,
-    120.0,
-    240.0,
-    480.0,
-    960.0,
-    1920.0,
-    7680.0,
-)
+ENGINE_INDEX = "0"
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+WAITING_REASONS = ("capacity", "deferred")
+PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
+# The token-count histograms' top edge when no engine config is given (else max_model_len).
+FALLBACK_MAX_MODEL_LEN = 1_000_000
 
 
 class PrometheusStatLogger:
-    """A ``StatLogger`` that keeps vLLM-named gauges, counters and histograms up to date."""
+    """A ``StatLogger`` that keeps vLLM-named gauges, counters and histograms up to date.
 
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    ``config`` sets the token-count buckets (up to max_model_len) and whether the speculative
+    decoding counters exist; without it they do, and the buckets go up to 10^6 tokens."""
+
+    def __init__(
+        self, model_name: str, registry: CollectorRegistry | None = None, config: EngineConfig | None = None
+    ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
-        self._make_gauges()
-        self._make_counters()
-        self._make_histograms()
+        self._make_scheduler_gauges()
+        self._make_cache_counters()
+        self._make_token_counters()
+        self._make_size_histograms(FALLBACK_MAX_MODEL_LEN if config is None else config.model_config.max_model_len)
+        self._make_latency_histograms()
+        if config is None:
+            self._make_spec_counters(0)
+        elif config.speculative_config is not None:
+            self._make_spec_counters(config.speculative_config.num_speculative_tokens)
 
-    def _name(self, name: str) -> str:
-        return METRIC_PREFIX + name
+    # ------------------------------------------------------------------ creation
+    def _family(self, cls: type, name: str, doc: str, extra_labels: tuple[str, ...] = (), **kw: Any) -> Any:
+        labels = ["model_name", "engine", *extra_labels]
+        return cls(METRIC_PREFIX + name, doc, labels, registry=self.registry, **kw)
 
-    def _make_gauges(self) -> None:
-        def gauge(name: str, doc: str):
-            return Gauge(self._name(name), doc, ["model_name"], registry=self.registry).labels(self.model_name)
+    def _one(self, cls: type, name: str, doc: str, **kw: Any) -> Any:
+        return self._family(cls, name, doc, **kw).labels(self.model_name, ENGINE_INDEX)
 
-        self.running = gauge("num_requests_running", "Requests in the model batch this step.")
-        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage as a fraction: 0 = empty, 1 = full.")
+    def _per_label(self, cls: type, name: str, doc: str, label: str, values: tuple[str, ...]) -> dict[str, Any]:
+        """One child per label value, all created now so each series shows (at 0) from the start."""
+        family = self._family(cls, name, doc, (label,))
+        return {v: family.labels(self.model_name, ENGINE_INDEX, v) for v in values}
 
-    def _make_counters(self) -> None:
-        def counter(name: str, doc: str):
-            return Counter(self._name(name), doc, ["model_name"], registry=self.registry).labels(self.model_name)
-
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (KV blocks freed, recomputed later).")
-        self.spec_drafts = counter("spec_decode_num_drafts", "Speculative decoding: verification steps per request.")
-        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens.")
-        self.spec_accepted_tokens = counter(
-            "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
+    def _make_scheduler_gauges(self) -> None:
+        self.running = self._one(Gauge, "num_requests_running", "Requests in the model batch this step.")
+        self.waiting = self._one(Gauge, "num_requests_waiting", "Requests waiting to be scheduled.")
+        self.waiting_by_reason = self._per_label(
+            Gauge,
+            "num_requests_waiting_by_reason",
+            "Waiting requests by reason: 'capacity' = no room in the batch or KV cache yet; 'deferred' = "
+            "its grammar is still compiling. The reasons sum to vllm:num_requests_waiting.",
+            "reason",
+            WAITING_REASONS,
         )
-        self._spec_per_pos = Counter(
-            self._name("spec_decode_num_accepted_tokens_per_pos"),
-            "Speculative decoding: accepted tokens by position in the proposal.",
-            ["model_name", "position"],
-            registry=self.registry,
+        self.kv_usage = self._one(Gauge, "kv_cache_usage_perc", "KV-cache usage as a fraction: 0 = empty, 1 = full.")
+        sleep = self._per_label(
+            Gauge,
+            "engine_sleep_state",
+            "Engine sleep state (this engine has no sleep mode: awake).",
+            "sleep_state",
+            SLEEP_STATES,
         )
-        success = Counter(
-            self._name("request_success"),
-            "Finished requests, by finish reason.",
-            ["model_name", "finished_reason"],
-            registry=self.registry,
+        sleep["awake"].set(1)
+
+    def _make_cache_counters(self) -> None:
+        self.prefix_queries = self._one(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = self._one(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        # No KV connector and no multimodal inputs here: these exist, as in vLLM, and stay at 0.
+        self._one(Counter, "external_prefix_cache_queries", "Tokens looked up in an external KV cache (none here).")
+        self._one(Counter, "external_prefix_cache_hits", "Tokens found in an external KV cache (none here).")
+        self._one(Counter, "mm_cache_queries", "Multimodal cache queries (no multimodal inputs here).")
+        self._one(Counter, "mm_cache_hits", "Multimodal cache hits (no multimodal inputs here).")
+
+    def _make_token_counters(self) -> None:
+        self.preemptions = self._one(
+            Counter, "num_preemptions", "Requests preempted (KV blocks freed, recomputed later)."
         )
-        # Pre-create every reason so each series is exposed (at 0) before the first request.
-        self.request_success = {r: success.labels(self.model_name, r) for r in FINISH_REASONS}
-        self._success_family = success
+        self.prompt_tokens = self._one(Counter, "prompt_tokens", "Prompt tokens of the prefills that completed.")
+        self.prompt_tokens_by_source = self._per_label(
+            Counter, "prompt_tokens_by_source", "Prompt tokens by source.", "source", PROMPT_TOKEN_SOURCES
+        )
+        self.prompt_tokens_cached = self._one(Counter, "prompt_tokens_cached", "Prompt tokens from the prefix cache.")
+        self.generation_tokens = self._one(Counter, "generation_tokens", "Tokens generated.")
+        self.request_success = self._per_label(
+            Counter, "request_success", "Finished requests, by finish reason.", "finished_reason", FINISH_REASONS
+        )
 
-    def _make_histograms(self) -> None:
-        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
-            return Histogram(self._name(name), doc, ["model_name"], buckets=buckets, registry=self.registry).labels(
-                self.model_name
-            )
+    def _make_size_histograms(self, max_model_len: int) -> None:
+        tokens = build_1_2_5_buckets(max_model_len)
 
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = tokens) -> Any:
+            return self._one(Histogram, name, doc, buckets=buckets)
+
+        self.request_prompt_tokens = histogram("request_prompt_tokens", "Prompt tokens per finished request.")
+        self.request_generation_tokens = histogram(
+            "request_generation_tokens", "Generated tokens per finished request."
+        )
+        self.iteration_tokens = histogram(
+            "iteration_tokens_total", "Tokens the model computed per engine step.", ITERATION_TOKENS_BUCKETS
+        )
+        self.max_num_generation_tokens = histogram(
+            "request_max_num_generation_tokens", "Tokens of a request's longest sequence (n > 1: of its n)."
+        )
+        self.params_n = histogram("request_params_n", "The n request parameter.", N_PARAM_BUCKETS)
+        self.params_max_tokens = histogram("request_params_max_tokens", "The max_tokens request parameter.")
+        self.prefill_kv_computed = histogram(
+            "request_prefill_kv_computed_tokens", "Prompt tokens a prefill computed (not found in the prefix cache)."
+        )
+
+    def _make_latency_histograms(self) -> None:
+        def histogram(name: str, doc: str, buckets: tuple[float, ...] = REQUEST_LATENCY_BUCKETS) -> Any:
+            return self._one(Histogram, name, doc, buckets=buckets)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first output token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last output token.", E2E_BUCKETS)
+        self.request_tpot = histogram(
+            "request_time_per_output_token_seconds", "A request's decode time per token after the first.", ITL_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to the last output token.")
+        self.queue_time = histogram("request_queue_time_seconds", "Queued in the engine core to first scheduled.")
+        self.inference_time = histogram("request_inference_time_seconds", "First scheduled to the last token.")
+        self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to the first token.")
+        self.decode_time = histogram("request_decode_time_seconds", "First token to the last token.")
+
+    def _make_spec_counters(self, num_positions: int) -> None:
+        """``num_positions``: the per-position series shown from the start (0: as they come)."""
+        self.spec_drafts = self._one(
+            Counter, "spec_decode_num_drafts", "Speculative decoding: verification steps per request."
+        )
+        self.spec_draft_tokens = self._one(
+            Counter, "spec_decode_num_draft_tokens", "Speculative decoding: proposed tokens."
+        )
+        self.spec_accepted_tokens = self._one(
+            Counter, "spec_decode_num_accepted_tokens", "Speculative decoding: proposed tokens accepted."
+        )
+        self._spec_per_pos = self._family(
+            Counter,
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Speculative decoding: accepted tokens by position in the proposal.",
+            ("position",),
+        )
+        for pos in range(num_positions):
+            self._spec_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos))
 
     # ------------------------------------------------------------------ StatLogger
+    def log_engine_initialized(self, config: EngineConfig, num_gpu_blocks: int) -> None:
+        """``vllm:cache_config_info``: a gauge at 1 whose labels are the cache config's fields."""
+        info = {name: str(value) for name, value in dataclasses.asdict(config.cache_config).items()}
+        info |= {"num_gpu_blocks": str(num_gpu_blocks), "engine": ENGINE_INDEX}
+        gauge = Gauge(
+            METRIC_PREFIX + "cache_config_info",
+            "The KV cache configuration, in the labels (always 1).",
+            list(info),
+            registry=self.registry,
+        )
+        gauge.labels(**info).set(1)
+
     def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
         if scheduler_stats is not None:
             self._record_scheduler(scheduler_stats)
-        self._record_iteration(iteration)
+        self._record_tokens(iteration)
+        self._record_latencies(iteration)
+        for finished in iteration.finished_requests:
+            self._record_finished(finished)
 
     def _record_scheduler(self, s: SchedulerStats) -> None:
         self.running.set(s.num_running_reqs)
         self.waiting.set(s.num_waiting_reqs)
+        self.waiting_by_reason["capacity"].set(s.num_waiting_reqs - s.num_deferred_reqs)
+        self.waiting_by_reason["deferred"].set(s.num_deferred_reqs)
         self.kv_usage.set(s.kv_cache_usage)
         self.prefix_queries.inc(s.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits)
         self.preemptions.inc(s.num_preemptions)
+        if s.num_scheduled_tokens:
+            self.iteration_tokens.observe(s.num_scheduled_tokens)
         if s.spec_decoding is not None:
             self._record_spec(s.spec_decoding)
 
@@ -169,17 +214,41 @@ class PrometheusStatLogger:
         self.spec_draft_tokens.inc(spec.num_draft_tokens)
         self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
         for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
-            self._spec_per_pos.labels(self.model_name, str(pos)).inc(count)
+            self._spec_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos)).inc(count)
 
-    def _record_iteration(self, it: IterationStats) -> None:
+    def _record_tokens(self, it: IterationStats) -> None:
         self.prompt_tokens.inc(it.num_prompt_tokens)
+        self.prompt_tokens_by_source["local_compute"].inc(it.num_prompt_tokens - it.num_cached_prompt_tokens)
+        self.prompt_tokens_by_source["local_cache_hit"].inc(it.num_cached_prompt_tokens)
+        self.prompt_tokens_cached.inc(it.num_cached_prompt_tokens)
         self.generation_tokens.inc(it.num_generation_tokens)
+        for n in it.n_params:
+            self.params_n.observe(n)
+        for num_tokens in it.max_num_generation_tokens:
+            self.max_num_generation_tokens.observe(num_tokens)
+
+    def _record_latencies(self, it: IterationStats) -> None:
         for value in it.time_to_first_tokens:
             self.ttft.observe(value)
         for value in it.inter_token_latencies:
             self.itl.observe(value)
-        for finished in it.finished_requests:
-            reason = finished.finish_reason
-            child = self.request_success.get(reason) or self._success_family.labels(self.model_name, reason)
-            child.inc()
-            self.e2e.observe(finished.e2e_latency)
+
+    def _record_finished(self, f: FinishedRequestStats) -> None:
+        self.request_success[f.finish_reason].inc()
+        self.e2e.observe(f.e2e_latency)
+        self.request_prompt_tokens.observe(f.num_prompt_tokens)
+        self.request_generation_tokens.observe(f.num_generation_tokens)
+        if f.max_tokens_param:
+            self.params_max_tokens.observe(f.max_tokens_param)
+        if f.timing is not None:
+            self.queue_time.observe(f.timing.queued_time)
+        if isinstance(f.timing, CompletedTiming):
+            self._record_phases(f.timing)
+            self.prefill_kv_computed.observe(f.num_prompt_tokens - f.num_cached_tokens)
+
+    def _record_phases(self, t: CompletedTiming) -> None:
+        self.prefill_time.observe(t.prefill_time)
+        self.decode_time.observe(t.decode_time)
+        self.inference_time.observe(t.inference_time)
+        if t.mean_time_per_output_token is not None:
+            self.request_tpot.observe(t.mean_time_per_output_token)

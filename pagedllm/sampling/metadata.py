@@ -38,6 +38,9 @@ class SamplingMetadata:
     min_tokens: dict[int, tuple[int, set[int]]]  # row -> (min_tokens, stop ids incl. EOS)
     logit_bias: list[dict[int, float] | None]  # per row
     allowed_token_ids_mask: torch.Tensor | None  # [N, V] bool, True = NOT allowed
+    # row -> token sequences of its bad words (a sequence's last token is banned where the rest
+    # ends the row's output); rows without bad words are absent.
+    bad_words_token_ids: dict[int, list[list[int]]]
 
     @property
     def num_rows(self) -> int:
@@ -45,10 +48,11 @@ class SamplingMetadata:
 
     @property
     def has_logit_processing(self) -> bool:
-        """Whether any row's logits change before greedy argmax: an allowed-token mask, a bias,
-        min-tokens not yet reached or a penalty."""
+        """Whether any row's logits change before greedy argmax: an allowed-token mask, bad words,
+        a bias, min-tokens not yet reached or a penalty."""
         return (
             self.allowed_token_ids_mask is not None
+            or bool(self.bad_words_token_ids)
             or any(b is not None for b in self.logit_bias)
             or not self.no_penalties
             or any(len(self.output_token_ids[row]) < minimum for row, (minimum, _) in self.min_tokens.items())
@@ -95,6 +99,7 @@ class SamplingMetadata:
             min_tokens=_min_tokens(params, eos_token_id),
             logit_bias=[p.logit_bias or None for p in params],
             allowed_token_ids_mask=_allowed_mask(params, vocab_size, device),
+            bad_words_token_ids={row: p.bad_words_token_ids for row, p in enumerate(params) if p.bad_words_token_ids},
         )
 
     def select(self, rows: list[int]) -> SamplingMetadata:
@@ -135,6 +140,9 @@ class SamplingMetadata:
             min_tokens={new: self.min_tokens[old] for new, old in enumerate(rows) if old in self.min_tokens},
             logit_bias=[self.logit_bias[r] for r in rows],
             allowed_token_ids_mask=pick(self.allowed_token_ids_mask),
+            bad_words_token_ids={
+                new: self.bad_words_token_ids[old] for new, old in enumerate(rows) if old in self.bad_words_token_ids
+            },
         )
 
 

@@ -23,6 +23,27 @@ def apply_allowed_token_mask(logits: torch.Tensor, not_allowed: torch.Tensor | N
     return logits.masked_fill_(not_allowed, _NEG_INF)
 
 
+def apply_bad_words(
+    logits: torch.Tensor,
+    output_token_ids: list[list[int]],
+    bad_words_token_ids: dict[int, list[list[int]]],
+) -> torch.Tensor:
+    """Ban, per row, the last token of every bad-word sequence whose other tokens end the row's
+    output (a one-token sequence is always banned). Only the output counts, not the prompt."""
+    rows: list[int] = []
+    cols: list[int] = []
+    for row, sequences in bad_words_token_ids.items():
+        output = output_token_ids[row]
+        for sequence in sequences:
+            prefix = len(sequence) - 1
+            if prefix <= len(output) and output[len(output) - prefix :] == sequence[:prefix]:
+                rows.append(row)
+                cols.append(sequence[-1])
+    if not rows:
+        return logits
+    return logits.index_put_(_index(rows, cols, logits.device), torch.tensor(_NEG_INF, device=logits.device))
+
+
 def apply_logit_bias(logits: torch.Tensor, logit_bias: list[dict[int, float] | None]) -> torch.Tensor:
     """Add each row's ``{token_id: bias}`` to its logits in one scatter."""
     rows, cols, vals = [], [], []

@@ -1,7 +1,7 @@
 """The Sampler: logits + SamplingMetadata (+ proposals to verify) -> emitted tokens (+ logprobs).
 
-Order (vLLM's): raw logprobs from the unprocessed logits; allowed-token mask, logit bias
-and min-tokens; penalties; greedy argmax; temperature, top-k/top-p, min-p and an
+Order (vLLM's): raw logprobs from the unprocessed logits; allowed-token mask, bad words,
+logit bias and min-tokens; penalties; greedy argmax; temperature, top-k/top-p, min-p and an
 exponential-race draw for random rows; the two merged per row on temperature < SAMPLING_EPS.
 A step that verifies proposals (speculative decoding) processes every row the same way, then
 the rejection sampler keeps a prefix of each request's proposals and adds one target token; a
@@ -82,7 +82,7 @@ def compute_logprobs_topk(logits: torch.Tensor, k: int, token_ids: torch.Tensor)
 
 
 class Sampler:
-    """Owns the sampling chain: allowed-token mask, logit bias and min-tokens; penalties;
+    """Owns the sampling chain: allowed-token mask, bad words, logit bias and min-tokens; penalties;
     greedy argmax; temperature, top-k/top-p, min-p and a seeded random draw; rejection
     sampling of proposals. Stateless: seeded requests' generators travel in the metadata.
     """
@@ -131,8 +131,9 @@ class Sampler:
 
     @staticmethod
     def apply_constraints(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """Hard constraints that also bind greedy rows: allowed ids, bias, min-tokens."""
+        """Hard constraints that also bind greedy rows: allowed ids, bad words, bias, min-tokens."""
         logits = ops.apply_allowed_token_mask(logits, md.allowed_token_ids_mask)
+        logits = ops.apply_bad_words(logits, md.output_token_ids, md.bad_words_token_ids)
         logits = ops.apply_logit_bias(logits, md.logit_bias)
         return ops.apply_min_tokens(logits, md.output_token_ids, md.min_tokens)
 

@@ -65,9 +65,9 @@ def speculation_room(
 
     Proposals must stay inside max_model_len and max_tokens (the step always adds one sampled
     token after them), and are only made where every verified position samples from the same
-    processed distribution: penalties, pending min_tokens and grammars depend on the tokens
-    before each position, so those requests decode one token at a time, exactly as without
-    speculation.
+    processed distribution: penalties, pending min_tokens, grammars and bad words of several
+    tokens depend on the tokens before each position, so those requests decode one token at a
+    time, exactly as without speculation.
     """
     if (
         params.structured_outputs is not None
@@ -75,6 +75,7 @@ def speculation_room(
         or params.frequency_penalty
         or params.repetition_penalty != 1.0
         or num_output_tokens < params.min_tokens
+        or any(len(sequence) > 1 for sequence in params.bad_words_token_ids)
     ):
         return 0
     # The step emits up to room + 1 tokens; a draft model then runs on the last of them, so its

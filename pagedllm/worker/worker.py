@@ -36,7 +36,6 @@ MiB = 1 << 20
 _RUNTIME_RESERVE = 256 * MiB
 # Decode graphs' private memory pool: activations of at most 256 tokens plus the graphs themselves.
 _CUDA_GRAPH_RESERVE = 512 * MiB
-_PROFILE_LOGPROBS = 20  # vLLM's default max_logprobs; more per request would cost more than profiled
 
 
 @dataclass(frozen=True)
@@ -204,17 +203,19 @@ def profile_forward(runner: ModelRunner, config: EngineConfig) -> None:
     hidden = runner.model(input_ids, positions, runner.attn_backend.build_metadata(attn))
     # Prompt logprobs take logits of every prompt row in the step; they are freed before sampling.
     logits = runner.model.compute_logits(hidden)
-    compute_logprobs_topk(logits, _PROFILE_LOGPROBS, torch.zeros(len(logits), dtype=torch.int64, device=runner.device))
+    # The most logprobs a request may ask for (max_logprobs) is what the profile takes.
+    num_logprobs = config.model_config.logprobs_cap
+    compute_logprobs_topk(logits, num_logprobs, torch.zeros(len(logits), dtype=torch.int64, device=runner.device))
     del logits
     spec = config.speculative_config
     rows = min(hidden.shape[0], sched.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)))
-    _profile_sampler(runner, runner.model.compute_logits(hidden[:rows]))
+    _profile_sampler(runner, runner.model.compute_logits(hidden[:rows]), num_logprobs)
 
 
-def _profile_sampler(runner: ModelRunner, logits: torch.Tensor) -> None:
+def _profile_sampler(runner: ModelRunner, logits: torch.Tensor, num_logprobs: int) -> None:
     """Sample every row with the memory-hungriest options: penalties, top-k/top-p sort, logprobs."""
     rows = logits.shape[0]
-    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=_PROFILE_LOGPROBS)
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, repetition_penalty=1.1, logprobs=num_logprobs)
     metadata = SamplingMetadata.from_params(
         [params] * rows, [[0]] * rows, [[0]] * rows, runner.vocab_size, runner.device
     )

@@ -275,6 +275,40 @@ def test_a_server_compiles_each_constraint_once(config, core, compiles, monkeypa
     asyncio.run(main())
 
 
+def test_a_server_resets_the_prefix_cache_through_the_engine(config, core, monkeypatch):
+    """AsyncLLM.reset_prefix_cache is a utility call into the engine process: refused while a
+    request runs, done once it is preempted (it then recomputes to the same tokens) or idle."""
+    from pagedllm.engine import async_llm
+
+    monkeypatch.setattr(async_llm, "AsyncMPClient", _thread_client(core))
+    prompt = {"prompt_token_ids": list(range(300, 340))}  # 2 full blocks can hit
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
+
+    async def cached(engine: Any, request_id: str) -> int:
+        short = SamplingParams(temperature=0.0, max_tokens=1)
+        return [o async for o in engine.generate(prompt, short, request_id)][-1].num_cached_tokens
+
+    async def main() -> None:
+        engine = async_llm.AsyncLLM(config)
+        try:
+            assert await engine.reset_prefix_cache() is True
+            reference = [o async for o in engine.generate(prompt, params, "ref")][-1].outputs[0].token_ids
+            assert await cached(engine, "hit") == 32
+            stream = engine.generate(prompt, params, "running")
+            await stream.__anext__()  # running: its blocks are held
+            assert await engine.reset_prefix_cache() is False
+            assert await engine.reset_prefix_cache(reset_running_requests=True) is True
+            final = [o async for o in stream][-1]
+            assert final.outputs[0].token_ids == reference
+            assert await engine.reset_prefix_cache() is True
+            assert await cached(engine, "miss") == 0
+            assert await engine.call_utility("check_integrity") is True
+        finally:
+            engine.shutdown()
+
+    asyncio.run(main())
+
+
 def _thread_client(core: Any) -> type:
     """AsyncMPClient with the engine on a thread of this process instead of a child process."""
 

@@ -10,6 +10,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.entrypoints.cli import main as cli_main
+from tests.engine_checks import assert_idle_and_intact
 
 MAX_MODEL_LEN = 128
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
@@ -21,17 +22,11 @@ def llm(llama_model_dir) -> LLM:
     return LLM(str(llama_model_dir), max_model_len=MAX_MODEL_LEN)
 
 
-def _assert_idle_and_intact(llm: LLM) -> None:
-    assert not llm.llm_engine.has_unfinished_requests()
-    assert not llm.llm_engine.engine_core.has_unfinished_requests()
-    llm.llm_engine.check_integrity()
-
-
 @pytest.fixture(autouse=True)
 def _pool_intact(request):
     yield
     if "llm" in request.fixturenames:
-        _assert_idle_and_intact(request.getfixturevalue("llm"))
+        assert_idle_and_intact(request.getfixturevalue("llm"))
 
 
 def _tokens(outputs) -> list[list[int]]:
@@ -135,7 +130,7 @@ def test_chat_renders_with_the_shared_renderer(llm):
 def test_priority_under_fcfs_is_a_value_error(llm):
     with pytest.raises(ValueError, match="--scheduling-policy priority"):
         llm.generate(TEXTS, GREEDY, use_tqdm=False, priority=[0, 1, 0])
-    _assert_idle_and_intact(llm)
+    assert_idle_and_intact(llm)
     assert len(llm.generate(TEXTS[0], GREEDY, use_tqdm=False, priority=[0])[0].outputs[0].token_ids) == 6
 
 
@@ -169,7 +164,7 @@ def test_invalid_input_raises_and_engine_keeps_working(llm, prompt, params, matc
     # The bad prompt comes after a good one, which must be withdrawn, not left queued.
     with pytest.raises(ValueError, match=match):
         llm.generate([good, prompt], [GREEDY, params], use_tqdm=False)
-    _assert_idle_and_intact(llm)
+    assert_idle_and_intact(llm)
     assert len(llm.generate(good, GREEDY, use_tqdm=False)[0].outputs[0].token_ids) == 6
 
 
@@ -206,7 +201,7 @@ def test_demo_model(monkeypatch, tmp_path):
         "Hello, my name is", SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False
     )[0].outputs[0]
     assert len(out.token_ids) == 4 and out.text
-    _assert_idle_and_intact(demo)
+    assert_idle_and_intact(demo)
 
 
 def test_cli_generate(llama_model_dir, capsys):

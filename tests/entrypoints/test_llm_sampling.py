@@ -14,6 +14,7 @@ import re
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests.engine_checks import assert_idle_and_intact
 
 PROMPT = "The capital of France is"
 LONG_PROMPT = "Once upon a time, in a village by the river, there lived an old clockmaker. " * 4
@@ -28,9 +29,7 @@ def llm(llama_model_dir) -> LLM:
 @pytest.fixture(autouse=True)
 def _pool_intact(llm: LLM):
     yield
-    assert not llm.llm_engine.has_unfinished_requests()
-    assert not llm.llm_engine.engine_core.has_unfinished_requests()
-    llm.llm_engine.check_integrity()
+    assert_idle_and_intact(llm)
 
 
 def _one(llm: LLM, prompt, params: SamplingParams):

@@ -112,7 +112,9 @@ def _start_engine(config: Any, options: ServerOptions, phases: StartupPhases) ->
     from pagedllm.engine.async_llm import AsyncLLM
     from pagedllm.metrics.stats import LoggingStatLogger
 
-    engine = AsyncLLM(config, stat_loggers=[PrometheusStatLogger(options.served_model_names[0]), LoggingStatLogger()])
+    engine = AsyncLLM(
+        config, stat_loggers=[PrometheusStatLogger(options.served_model_names[0], config=config), LoggingStatLogger()]
+    )
     for name, seconds in engine.startup.seconds.items():
         phases.add(name, seconds)
     if "torch" in sys.modules:  # the front end does no model work: leave the cores to the engine
