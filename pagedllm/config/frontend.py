@@ -50,6 +50,22 @@ class FrontendArgs:
         choices=TOOL_CALL_PARSERS,
         default_help="none",
     )
+    trust_request_chat_template: bool = option(
+        False,
+        "accept a chat_template field in requests (chat completions, /tokenize); off, such a request "
+        "is refused, since a template is code the server runs",
+    )
+    return_tokens_as_token_ids: bool = option(
+        False,
+        "render tokens in logprobs as 'token_id:N' by default (a request's return_tokens_as_token_ids "
+        "overrides it), so clients can map tokens that are not valid UTF-8 on their own",
+    )
+    enable_tokenizer_info_endpoint: bool = option(
+        False, "serve GET /tokenizer_info: the tokenizer's configuration and chat template"
+    )
+    enable_server_load_tracking: bool = option(
+        False, "count generation requests in flight and report them on GET /load (otherwise it reads 0)"
+    )
     uvicorn_log_level: str = option("info", "log level of uvicorn", choices=UVICORN_LOG_LEVELS)
     disable_uvicorn_access_log: bool = option(False, "do not log every HTTP request")
     shutdown_timeout: float = option(

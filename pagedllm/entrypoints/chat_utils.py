@@ -52,6 +52,7 @@ def render_chat(
     *,
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
+    documents: list[dict[str, str]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
@@ -59,7 +60,8 @@ def render_chat(
     """The conversation as prompt text (the template adds BOS itself where the model has one).
 
     ``chat_template``: the server's ``--chat-template`` or ``LLM.chat(chat_template=...)``; None
-    uses the tokenizer's. ``tools``: OpenAI function specs the template may render. Raises
+    uses the tokenizer's. ``tools``: OpenAI function specs the template may render; ``documents``:
+    retrieved documents (``{"title", "text"}``) for templates that render them. Raises
     ValueError with a message that says what to change."""
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(
@@ -67,6 +69,8 @@ def render_chat(
             "server, chat_template=... for LLM.chat), or send a plain prompt instead"
         )
     kwargs = _template_kwargs(chat_template_kwargs, tools, continue_final_message)
+    if documents is not None:
+        kwargs["documents"] = documents
     try:
         text = tokenizer.apply_chat_template(
             list(messages),

@@ -11,13 +11,16 @@ from pagedllm.entrypoints.cli_args import add_engine_args, add_server_args, engi
 from pagedllm.entrypoints.env_report import add_env_parser
 
 SERVE_EPILOG = """\
-endpoints (OpenAI-compatible):
+endpoints (OpenAI-compatible; every request field is listed in docs/openai_api.md):
   POST /v1/chat/completions, POST /v1/completions   (streaming with "stream": true)
+  POST /invocations   (SageMaker: a chat or a completion request, by its body)
   GET  /v1/models, POST /tokenize, POST /detokenize, GET /version
-  GET  /health    200 when the engine answers, else 503 (never needs an API key)
-  GET  /metrics   Prometheus text format, metric names prefixed "vllm:" as in vLLM
-                  (vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:prompt_tokens_total,
-                  vllm:time_to_first_token_seconds, ...), every metric labelled model_name
+  GET  /tokenizer_info   with --enable-tokenizer-info-endpoint
+  GET  /health, /ping    200 when the engine answers, else 503 (never needs an API key)
+  GET  /load      {"server_load": requests in flight} with --enable-server-load-tracking
+  GET  /metrics   Prometheus text format, vLLM's metric names and labels (docs/metrics.md:
+                  vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:prompt_tokens_total,
+                  vllm:time_to_first_token_seconds, ...), labelled model_name and engine
 
 exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
   1 if the engine process died, 2 on bad flags or start-up errors.

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, args)``, the app factory.
 
 It reads the server options, wires metrics, the API-key/overload gate (auth.py), the error
-mapping (errors.py) and the routers (routes/: completions, chat, tokenize, models, system),
+mapping (errors.py) and the routers (routes/: completions, chat, invocations, tokenize, models,
+system),
 and shuts the engine down when the app stops. Running it as a process (socket, uvicorn,
 signals, drain, the engine watchdog, exit codes) is ``server_process.py``.
 """
@@ -20,7 +21,7 @@ import pagedllm
 from pagedllm.entrypoints.openai.auth import ServerGate
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
-from pagedllm.entrypoints.openai.routes import chat, completions, models, system, tokenize
+from pagedllm.entrypoints.openai.routes import chat, completions, invocations, models, system, tokenize
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.server_state import ServerState
@@ -28,7 +29,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
-ROUTERS = (completions.router, chat.router, tokenize.router, models.router, system.router)
+ROUTERS = (completions.router, chat.router, invocations.router, tokenize.router, models.router, system.router)
 
 
 def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
@@ -45,7 +46,11 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     app.state.server_state = state
     max_load = engine.config.scheduler_config.max_num_seqs + options.max_waiting_requests
     app.add_middleware(
-        ServerGate, api_keys=options.api_keys, max_load=max_load, engine_load=engine.get_num_unfinished_requests
+        ServerGate,
+        api_keys=options.api_keys,
+        max_load=max_load,
+        engine_load=engine.get_num_unfinished_requests,
+        counter=state,
     )
     add_exception_handlers(app)
     for router in ROUTERS:
@@ -55,19 +60,33 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
 
 def _metrics_registry(engine: EngineClient, model_name: str) -> Any:
     """The registry of the engine's Prometheus logger (one is added if the engine has none)."""
+    from pagedllm.config import EngineConfig
+
     for stat_logger in engine.stat_loggers:
         if isinstance(stat_logger, PrometheusStatLogger):
             return stat_logger.registry
-    stat_logger = PrometheusStatLogger(model_name)
+    # Stand-in engines (tests) carry a partial config: their metrics keep the defaults.
+    config = engine.config if isinstance(engine.config, EngineConfig) else None
+    stat_logger = PrometheusStatLogger(model_name, config=config)
+    if config is not None:
+        stat_logger.log_engine_initialized(config, engine.capacity["num_blocks"])
     engine.stat_loggers.append(stat_logger)
     return stat_logger.registry
 
 
 def _load_handlers(engine: EngineClient, options: ServerOptions, served: ServedModels) -> dict[str, Any]:
     """The endpoint handlers the generation routes delegate to (a kind missing here answers 501)."""
+    as_ids = options.return_tokens_as_token_ids
     return {
-        "chat": OpenAIServingChat(engine, served, options.chat_template, options.tool_call_parser),
-        "completion": OpenAIServingCompletion(engine, served),
+        "chat": OpenAIServingChat(
+            engine,
+            served,
+            options.chat_template,
+            options.tool_call_parser,
+            as_ids,
+            options.trust_request_chat_template,
+        ),
+        "completion": OpenAIServingCompletion(engine, served, as_ids),
     }
 
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 import hmac
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from pagedllm.entrypoints.openai.errors import error_response
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/invocations")
 RETRY_AFTER_S = 1
 
 
@@ -55,18 +56,19 @@ class ServerGate:
     ``load()`` returns how many generation requests are in flight (the engine's unfinished
     count, or the HTTP requests this gate let through, whichever is larger: streaming
     requests reach the engine only once their response starts). A new generation request is
-    refused with 503 + ``Retry-After`` when ``load() >= max_load``.
+    refused with 503 + ``Retry-After`` when ``load() >= max_load``. The count of requests let
+    through lives on ``counter.in_flight`` (the server state, which ``/load`` reports).
     """
 
-    def __init__(self, app, api_keys: list[str], max_load: int, engine_load: Callable[[], int]) -> None:
+    def __init__(self, app, api_keys: list[str], max_load: int, engine_load: Callable[[], int], counter: Any) -> None:
         self.app = app
         self.keys = [k.encode() for k in api_keys]
         self.max_load = max_load
         self.engine_load = engine_load
-        self.in_flight = 0
+        self.counter = counter
 
     def load(self) -> int:
-        return max(self.in_flight, self.engine_load())
+        return max(self.counter.in_flight, self.engine_load())
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -96,8 +98,8 @@ class ServerGate:
                 headers={"Retry-After": str(RETRY_AFTER_S)},
             )
             return await response(scope, receive, send)
-        self.in_flight += 1
+        self.counter.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            self.counter.in_flight -= 1

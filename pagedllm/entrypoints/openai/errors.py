@@ -111,6 +111,8 @@ def value_error(exc: ValueError, request: BaseModel | None, prompt_param: str = 
         param = "max_tokens" if "max_tokens" in message else prompt_param if "prompt" in message else None
     if param == "max_tokens" and getattr(request, "max_completion_tokens", None) is not None:
         param = "max_completion_tokens"  # chat's newer name for it
+    if param == "logprobs" and getattr(request, "top_logprobs", None) is not None:
+        param = "top_logprobs"  # chat's name for the count
     return OpenAIError(message, 400, param)
 
 
@@ -131,7 +133,7 @@ def _param_from_loc(loc: tuple) -> str | None:
 
 def _param_from_message(message: str, fields: set[str]) -> str | None:
     """'temperature must be >= 0' -> 'temperature' (only names the request could carry)."""
-    match = re.match(r"(\w+) ", message)
+    match = re.match(r"(\w+)[ =]", message)
     known = {"max_tokens", "logprobs", "prompt_logprobs"} | fields
     return match.group(1) if match and match.group(1) in known else None
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from pagedllm.entrypoints.openai.errors import RequestParamError
-from pagedllm.entrypoints.openai.protocol import ChatMessage, ChatTemplateRequest, OpenAIBaseModel
+from pagedllm.entrypoints.openai.protocol import ChatMessage, ChatTemplateRequest
+from pagedllm.entrypoints.openai.protocol_base import LaxBool, OpenAIBaseModel
 
 
 class TokenizeRequest(ChatTemplateRequest):
@@ -13,7 +14,8 @@ class TokenizeRequest(ChatTemplateRequest):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None  # type: ignore[assignment]  # optional here
-    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
+    add_special_tokens: LaxBool | None = None  # type: ignore[assignment]  # default: True for a prompt, False for messages
+    return_token_strs: LaxBool | None = False  # also the tokens as the tokenizer's strings
 
     def check_input(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -1,8 +1,10 @@
 """Typed request bodies: a FastAPI dependency that reads the JSON body and validates it into the
 route's pydantic model, mapping every failure to an OpenAI-style 400 that names the field.
 
-The body is read whatever the Content-Type (as OpenAI's API and earlier versions of this server
-accept: ``curl -d`` sends form encoding), which is why this is not FastAPI's own body parsing.
+A body must be sent as ``Content-Type: application/json`` (vLLM refuses other types too): a
+browser can POST form-encoded or plain-text bodies to any site without a CORS preflight, so
+accepting them would let any web page spend this server's compute. ``curl`` users add
+``-H 'Content-Type: application/json'``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ M = TypeVar("M", bound=BaseModel)
 
 async def json_object_body(raw_request: Request) -> dict:
     """The request body as a JSON object, or a 400 OpenAIError that says what is wrong."""
+    media_type = raw_request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise OpenAIError(
+            f"Unsupported Media Type {media_type or '(none)'!r}: only 'application/json' is allowed; send "
+            "the body as JSON with the header 'Content-Type: application/json'",
+            param="Content-Type",
+        )
     raw = await raw_request.body()
     try:
         body = json.loads(raw)

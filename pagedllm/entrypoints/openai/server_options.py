@@ -19,6 +19,10 @@ class ServerOptions:
     chat_template: str | None  # the template itself (--chat-template read), None: the tokenizer's
     max_waiting_requests: int
     tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls in this format
+    trust_request_chat_template: bool = False
+    return_tokens_as_token_ids: bool = False
+    enable_tokenizer_info_endpoint: bool = False
+    enable_server_load_tracking: bool = False
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -33,7 +37,16 @@ class ServerOptions:
             load_chat_template(getattr(args, "chat_template", None)),
             waiting,
             _tool_call_parser(args),
+            **{name: bool(getattr(args, name, False)) for name in _SWITCHES},
         )
+
+
+_SWITCHES = (
+    "trust_request_chat_template",
+    "return_tokens_as_token_ids",
+    "enable_tokenizer_info_endpoint",
+    "enable_server_load_tracking",
+)
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -28,6 +28,7 @@ class ServerState:
     engine_dead: bool = False  # set by the watchdog (server_process): /health answers 503
     exit_code: int = 0
     engine_stopped: bool = False  # shut down on purpose: not a death
+    in_flight: int = 0  # generation requests inside the gate (auth.ServerGate keeps the count)
 
     def handler(self, kind: str) -> Any:
         if kind not in self.handlers:

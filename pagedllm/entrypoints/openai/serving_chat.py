@@ -18,7 +18,7 @@ from pagedllm.entrypoints.openai.serving_common import (
     UsageCounter,
     clamp_logprob,
     now_s,
-    random_id,
+    prompt_logprobs_json,
     sse,
     token_text,
 )
@@ -29,6 +29,7 @@ from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
 
 class OpenAIServingChat(OpenAIServing):
     prompt_param = "messages"
+    id_prefix = "chatcmpl"
 
     def __init__(
         self,
@@ -36,26 +37,29 @@ class OpenAIServingChat(OpenAIServing):
         models: ServedModels,
         chat_template: str | None = None,
         tool_call_parser: str | None = None,
+        return_tokens_as_token_ids: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> None:
         """``chat_template``: the template itself (``--chat-template`` already read), None: the
         tokenizer's. ``tool_call_parser``: how ``tool_choice: "auto"`` finds calls in the text
-        (None: "auto" is refused, as vLLM does without --enable-auto-tool-choice)."""
-        super().__init__(engine, models)
+        (None: "auto" is refused, as vLLM does without --enable-auto-tool-choice).
+        ``trust_request_chat_template``: accept a request's own ``chat_template``."""
+        super().__init__(engine, models, return_tokens_as_token_ids)
         self.chat_template = chat_template
         self.tool_call_parser = tool_call_parser
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def create_chat_completion(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         request.model = self.models.check(request.model)
         try:
             params = request.to_sampling_params()
             self._check_auto_tools(request)
-            prompt_ids = self.render(request)
+            prompt_text, prompt_ids = self.render(request)
             await self.check_constraint(params, request.constraint()[1])
         except ValueError as exc:
             return value_error_response(exc, request, self.prompt_param)
-        request_id = random_id("chatcmpl")
-        stream = self.start([{"prompt_token_ids": prompt_ids}], params, request_id, request)
-        shape = _ChatShape(request, request_id, self.tool_call_parser)
+        stream = self.start([{"prompt_token_ids": prompt_ids, "prompt": prompt_text}], params, request)
+        shape = _ChatShape(request, self.response_id(request), self.tool_call_parser, self.as_ids(request))
         return await self.respond(stream, raw_request, request, bool(request.stream), shape.events, shape.body)
 
     def _check_auto_tools(self, request: ChatCompletionRequest) -> None:
@@ -67,21 +71,33 @@ class OpenAIServingChat(OpenAIServing):
                 "tool_choice",
             )
 
-    def render(self, request: ChatTemplateRequest) -> list[int]:
-        """The conversation as the prompt ids this handler sends (``/tokenize`` renders with the
-        same function); the rendered template already holds BOS."""
-        return request.render_chat_ids(self.engine.tokenizer, self.chat_template)
+    def render(self, request: ChatTemplateRequest) -> tuple[str, list[int]]:
+        """The conversation as the prompt text and ids this handler sends (``/tokenize`` renders
+        with this same method); the rendered template already holds BOS."""
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            raise RequestParamError(
+                "chat_template: this server does not run chat templates sent in requests; leave "
+                "chat_template unset, or start the server with --trust-request-chat-template",
+                "chat_template",
+            )
+        return request.render_chat(self.engine.tokenizer, self.chat_template)
 
 
 class _ChatShape:
     """Builds one request's response body or SSE chunks from engine outputs."""
 
-    def __init__(self, request: ChatCompletionRequest, request_id: str, tool_call_parser: str | None = None) -> None:
+    def __init__(
+        self, request: ChatCompletionRequest, response_id: str, tool_call_parser: str | None, as_ids: bool
+    ) -> None:
         self.request = request
         self.num_top = request.top_logprobs or 0
-        self.base = {"id": request_id, "object": "chat.completion.chunk", "created": now_s(), "model": request.model}
+        self.as_ids = as_ids
+        self.role = request.response_role
+        self.echo = request.echo_text
+        self.base = {"id": response_id, "object": "chat.completion.chunk", "created": now_s(), "model": request.model}
         self.tool_call_parser = tool_call_parser
         self.extractors: dict[int, ToolCallExtractor | None] = {}  # by choice index, while streaming
+        self.usage = UsageCounter()
 
     def _extractor(self) -> ToolCallExtractor | None:
         choice = self.request.effective_tool_choice
@@ -94,15 +110,27 @@ class _ChatShape:
             return RequiredToolCalls()  # "required"
         return NamedToolCall(choice.function.name)
 
+    def _prompt_fields(self, output: RequestOutput) -> dict[str, Any]:
+        """The prompt's ids (as the engine ran them: truncated, if asked) and rendered text,
+        where the request asked for them."""
+        fields: dict[str, Any] = {}
+        if self.request.return_token_ids:
+            fields["prompt_token_ids"] = output.prompt_token_ids
+        if self.request.return_prompt_text:
+            fields["prompt_text"] = output.prompt
+        return fields
+
     def body(self, outputs: dict[int, RequestOutput]) -> dict:
         output = outputs[0]
-        usage = UsageCounter()
-        usage.add(0, output)
+        self.usage.add(0, output)
         choices = [self._choice(c) for c in output.outputs]
-        return {**self.base, "object": "chat.completion", "choices": choices, "usage": usage.usage()}
+        body = {**self.base, "object": "chat.completion", "choices": choices, "usage": self.usage.usage()}
+        if self.request.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return {**body, **self._prompt_fields(output)}
 
     def _choice(self, completion: CompletionOutput) -> dict:
-        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        message: dict[str, Any] = {"role": self.role, "content": completion.text}
         finish_reason = completion.finish_reason
         extractor = self._extractor()
         forced = self.request.effective_tool_choice != "auto"
@@ -111,80 +139,108 @@ class _ChatShape:
             if calls:
                 message.update(content=content, tool_calls=calls)
                 finish_reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        return {
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
+        choice = {
             "index": completion.index,
             "message": message,
             "logprobs": self._logprobs(completion),
             "finish_reason": finish_reason,
+            "stop_reason": completion.stop_reason,
         }
+        if self.request.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        return choice
 
     async def events(self, stream: OutputStream) -> AsyncIterator[str]:
-        usage = UsageCounter()
-        yield "".join(self._chunk(i, {"role": "assistant", "content": ""}) for i in range(self.request.n))
+        opened = False
         async for batch in stream.batches():
             events = []
             for _, output in batch:
-                usage.add(0, output)
+                if not opened:
+                    self.usage.add_prompt(0, output)
+                    events.extend(self._opening_chunks(output))
+                    opened = True
+                self.usage.add(0, output)
                 for completion in output.outputs:
                     events.extend(self._completion_chunks(completion))
             if events:
                 yield "".join(events)
         if self.request.include_usage:
-            yield sse({**self.base, "choices": [], "usage": usage.usage()})
+            yield sse({**self.base, "choices": [], "usage": self.usage.usage()})
+
+    def _opening_chunks(self, output: RequestOutput) -> list[str]:
+        """With the first output (as vLLM): each choice's role, the prompt's ids and text (on the
+        first chunk only), and the echoed message."""
+        chunks = [self._chunk(i, {"role": self.role, "content": ""}) for i in range(self.request.n)]
+        chunks[0].update(self._prompt_fields(output))
+        if self.echo:
+            chunks += [self._chunk(i, {"content": self.echo}) for i in range(self.request.n)]
+        return [sse(chunk) for chunk in chunks]
 
     def _completion_chunks(self, completion: CompletionOutput) -> list[str]:
+        """The choice's new deltas; its logprobs and token ids ride on the first, the finish
+        reason on the last (with the last token's text, as vLLM sends it)."""
         if completion.index not in self.extractors:
             self.extractors[completion.index] = self._extractor()
         extractor = self.extractors[completion.index]
-        if extractor is not None:
-            return self._tool_chunks(completion, extractor)
-        chunks = []
-        if completion.text or (self.request.logprobs and completion.token_ids):
-            chunks.append(self._chunk(completion.index, {"content": completion.text}, self._logprobs(completion)))
-        if completion.finish_reason is not None:
-            chunks.append(self._chunk(completion.index, {}, finish_reason=completion.finish_reason))
-        return chunks
+        deltas = self._deltas(completion, extractor)
+        first: dict[str, Any] = {}
+        if completion.token_ids:
+            first["logprobs"] = self._logprobs(completion)
+            if self.request.return_token_ids:
+                first["token_ids"] = completion.token_ids
+        if not deltas and (first.get("logprobs") or "token_ids" in first or completion.finish_reason):
+            deltas = [{}]
+        chunks = [self._chunk(completion.index, delta, **(first if i == 0 else {})) for i, delta in enumerate(deltas)]
+        if chunks and completion.finish_reason is not None:
+            finish_reason = completion.finish_reason
+            if extractor is not None and extractor.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+            chunks[-1]["choices"][0].update(finish_reason=finish_reason, stop_reason=completion.stop_reason)
+        return [sse(chunk) for chunk in chunks]
 
-    def _tool_chunks(self, completion: CompletionOutput, extractor: ToolCallExtractor) -> list[str]:
-        """Content and tool-call deltas as the extractor finds them; logprobs ride on the first."""
+    def _deltas(self, completion: CompletionOutput, extractor: ToolCallExtractor | None) -> list[dict]:
+        """Content deltas, or content and tool-call deltas as the extractor finds them."""
+        if extractor is None:
+            return [{"content": completion.text}] if completion.text else []
         deltas = extractor.feed(completion.text) if completion.text else []
         if completion.finish_reason is not None:
             deltas += extractor.finish()
-        logprobs = self._logprobs(completion) if completion.token_ids else None
-        if logprobs is not None and not deltas:
-            deltas = [{}]
-        chunks = [self._chunk(completion.index, delta, logprobs if i == 0 else None) for i, delta in enumerate(deltas)]
-        if completion.finish_reason is not None:
-            finish_reason = completion.finish_reason
-            if extractor.num_calls and finish_reason == "stop":
-                finish_reason = "tool_calls"
-            chunks.append(self._chunk(completion.index, {}, finish_reason=finish_reason))
-        return chunks
+        return deltas
 
-    def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
-        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        chunk = {**self.base, "choices": [choice]}
-        if self.request.include_usage:
+    def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, **fields: Any) -> dict:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None, **fields}
+        chunk: dict[str, Any] = {**self.base, "choices": [choice]}
+        if self.request.continuous_usage:
+            chunk["usage"] = self.usage.choice_usage(0, index)
+        elif self.request.include_usage:
             chunk["usage"] = None
-        return sse(chunk)
+        return chunk
 
     def _logprobs(self, completion: CompletionOutput) -> dict | None:
         if not self.request.logprobs or completion.logprobs is None:
             return None
-        return chat_logprobs(completion.logprobs, completion.token_ids, self.num_top)
+        return chat_logprobs(completion.logprobs, completion.token_ids, self.num_top, self.as_ids)
 
 
-def chat_logprobs(rows: Iterable[dict[int, Logprob]], token_ids: list[int], num_top: int) -> dict:
-    """Chat's ``logprobs``: one entry per sampled token with its top ``num_top`` alternatives."""
+def chat_logprobs(rows: Iterable[dict[int, Logprob]], token_ids: list[int], num_top: int, as_ids: bool = False) -> dict:
+    """Chat's ``logprobs``: one entry per sampled token with its top ``num_top`` alternatives
+    (-1: all that were computed)."""
     content = []
     for token_id, row in zip(token_ids, rows):
-        top = sorted(row.items(), key=lambda item: -item[1].logprob)[:num_top]
+        top = sorted(row.items(), key=lambda item: -item[1].logprob)
+        if num_top >= 0:
+            top = top[:num_top]
         content.append(
-            {**_chat_token(token_id, row[token_id]), "top_logprobs": [_chat_token(t, entry) for t, entry in top]}
+            {
+                **_chat_token(token_id, row[token_id], as_ids),
+                "top_logprobs": [_chat_token(t, entry, as_ids) for t, entry in top],
+            }
         )
     return {"content": content}
 
 
-def _chat_token(token_id: int, entry: Logprob) -> dict:
-    text = token_text(token_id, entry)
+def _chat_token(token_id: int, entry: Logprob, as_ids: bool) -> dict:
+    text = token_text(token_id, entry, as_ids)
     return {"token": text, "logprob": clamp_logprob(entry.logprob), "bytes": list(text.encode("utf-8"))}

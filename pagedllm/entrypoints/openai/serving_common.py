@@ -10,6 +10,7 @@ no cancel scope keeps re-cancelling, so the abort message always reaches the eng
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -30,7 +31,7 @@ from pagedllm.entrypoints.openai.errors import (
     value_error_response,
 )
 from pagedllm.entrypoints.openai.served_models import ServedModels
-from pagedllm.outputs import Logprob, RequestOutput
+from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -53,30 +54,51 @@ def now_s() -> int:
 
 
 # ---------------------------------------------------------------------------------- usage
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {
+def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    """OpenAI's usage object; with ``cached_tokens``, the prompt tokens served from the prefix
+    cache under OpenAI's name (``prompt_tokens_details.cached_tokens``) and vLLM's
+    (``cache_read_input_tokens``)."""
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if cached_tokens is not None:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+        usage["cache_read_input_tokens"] = cached_tokens
+    return usage
 
 
 class UsageCounter:
-    """Token counts of a request with several prompts and n choices each."""
+    """Token counts of a request with several prompts and n choices each; per choice too, for
+    ``stream_options.continuous_usage_stats``."""
 
     def __init__(self) -> None:
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens: dict[int, int] = {}
-        self.completion_tokens = 0
+        self.choice_tokens: dict[tuple[int, int], int] = {}  # (prompt index, choice index) -> tokens
 
-    def add(self, prompt_index: int, output: RequestOutput) -> None:
+    def add_prompt(self, prompt_index: int, output: RequestOutput) -> None:
         self.prompt_tokens[prompt_index] = len(output.prompt_token_ids or ())
         self.cached_tokens[prompt_index] = max(self.cached_tokens.get(prompt_index, 0), output.num_cached_tokens)
-        self.completion_tokens += sum(len(c.token_ids) for c in output.outputs)
+
+    def add(self, prompt_index: int, output: RequestOutput, completions: list[CompletionOutput] | None = None) -> None:
+        """Count ``output``; ``completions``: what the client sees of its outputs, if not all."""
+        self.add_prompt(prompt_index, output)
+        for c in output.outputs if completions is None else completions:
+            key = (prompt_index, c.index)
+            self.choice_tokens[key] = self.choice_tokens.get(key, 0) + len(c.token_ids)
+
+    def choice_usage(self, prompt_index: int, choice_index: int) -> dict:
+        """One choice's usage so far (the continuous usage stats of its chunks)."""
+        return make_usage(
+            self.prompt_tokens.get(prompt_index, 0), self.choice_tokens.get((prompt_index, choice_index), 0)
+        )
 
     def usage(self) -> dict:
-        return make_usage(sum(self.prompt_tokens.values()), self.completion_tokens, sum(self.cached_tokens.values()))
+        return make_usage(
+            sum(self.prompt_tokens.values()), sum(self.choice_tokens.values()), sum(self.cached_tokens.values())
+        )
 
 
 # ---------------------------------------------------------------------------------- engine streams
@@ -202,8 +224,35 @@ def clamp_logprob(value: float) -> float:
     return max(value, _MIN_LOGPROB)
 
 
-def token_text(token_id: int, entry: Logprob) -> str:
-    return entry.decoded_token if entry.decoded_token is not None else f"token_id:{token_id}"
+def token_text(token_id: int, entry: Logprob | None, as_ids: bool = False) -> str:
+    """A token as logprobs show it: its text, or ``token_id:N`` (``return_tokens_as_token_ids``,
+    or when the request asked for no detokenization)."""
+    if as_ids or entry is None or entry.decoded_token is None:
+        return f"token_id:{token_id}"
+    return entry.decoded_token
+
+
+def prompt_logprobs_json(rows: PromptLogprobs | None) -> list[dict[str, dict] | None] | None:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, else {token id:
+    {logprob, rank, decoded_token}} for the prompt's token and the top alternatives."""
+    if rows is None:
+        return None
+    return [
+        None
+        if row is None
+        else {
+            str(t): {"logprob": clamp_logprob(e.logprob), "rank": e.rank, "decoded_token": e.decoded_token}
+            for t, e in row.items()
+        }
+        for row in rows
+    ]
+
+
+def echo_only_view(completion: CompletionOutput) -> CompletionOutput:
+    """``echo`` with ``max_tokens`` 0: the one token the engine had to generate is not shown."""
+    return dataclasses.replace(
+        completion, text="", token_ids=[], logprobs=[] if completion.logprobs is not None else None
+    )
 
 
 # ---------------------------------------------------------------------------------- handler base
@@ -211,10 +260,24 @@ class OpenAIServing:
     """What both handlers do around their own request parsing and response shapes."""
 
     prompt_param = "prompt"  # the field a prompt-length error names
+    id_prefix = "cmpl"  # of response ids
 
-    def __init__(self, engine: EngineClient, models: ServedModels) -> None:
+    def __init__(self, engine: EngineClient, models: ServedModels, return_tokens_as_token_ids: bool = False) -> None:
         self.engine = engine
         self.models = models
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
+
+    def as_ids(self, request: Any) -> bool:
+        """Whether logprobs show tokens as ``token_id:N`` (the request's choice, else the server's)."""
+        choice = request.return_tokens_as_token_ids
+        return self.return_tokens_as_token_ids if choice is None else bool(choice)
+
+    def response_id(self, request: Any) -> str:
+        """The response's ``id``: from the request's ``request_id`` when it sets one (as vLLM). The
+        engine's ids stay random, so two requests with the same ``request_id`` never collide."""
+        if request.request_id:
+            return f"{self.id_prefix}-{request.request_id}"
+        return random_id(self.id_prefix)
 
     async def check_constraint(self, params: Any, param: str | None) -> None:
         """Compile the request's output constraint before anything streams: an invalid one, or one
@@ -224,7 +287,9 @@ class OpenAIServing:
         except ValueError as exc:
             raise RequestParamError(f"{param}: {exc}" if param else str(exc), param) from None
 
-    def start(self, prompts: list[Any], params: Any, request_id: str, request: Any) -> OutputStream:
+    def start(self, prompts: list[Any], params: Any, request: Any) -> OutputStream:
+        request_id = random_id(self.id_prefix)
+
         def generate(i: int, prompt: Any) -> AsyncIterator[RequestOutput]:
             rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
             return self.engine.generate(

@@ -8,26 +8,23 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from pagedllm.entrypoints.openai.errors import RequestParamError
+from pagedllm.entrypoints.openai.protocol_base import LaxBool, OpenAIBaseModel
 from pagedllm.sampling_params import StructuredOutputsParams
 
 _FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
 
 
-class _Model(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)  # as protocol.OpenAIBaseModel
-
-
-class JsonSchemaFormat(_Model):
+class JsonSchemaFormat(OpenAIBaseModel):
     name: str | None = None
     description: str | None = None
     json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None  # always enforced
+    strict: LaxBool | None = None  # always enforced
 
 
-class ResponseFormat(_Model):
+class ResponseFormat(OpenAIBaseModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
@@ -38,21 +35,21 @@ class ResponseFormat(_Model):
         return self
 
 
-class StructuredOutputsField(_Model):
+class StructuredOutputsField(OpenAIBaseModel):
     """vLLM's ``structured_outputs`` request field (set exactly one)."""
 
     json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    json_object: bool | None = None
+    json_object: LaxBool | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
 
 
-class FunctionDefinition(_Model):
+class FunctionDefinition(OpenAIBaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    strict: LaxBool | None = None
 
     @model_validator(mode="after")
     def _valid_name(self) -> FunctionDefinition:
@@ -61,16 +58,16 @@ class FunctionDefinition(_Model):
         return self
 
 
-class ChatTool(_Model):
+class ChatTool(OpenAIBaseModel):
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
 
-class NamedFunction(_Model):
+class NamedFunction(OpenAIBaseModel):
     name: str
 
 
-class NamedToolChoice(_Model):
+class NamedToolChoice(OpenAIBaseModel):
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -78,7 +75,7 @@ class NamedToolChoice(_Model):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class StructuredRequestMixin(_Model):
+class StructuredRequestMixin(OpenAIBaseModel):
     """The constraint fields shared by chat and completion requests."""
 
     response_format: ResponseFormat | None = None

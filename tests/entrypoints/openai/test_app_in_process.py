@@ -147,8 +147,8 @@ def test_one_model_check_one_404(app_engine):
 @pytest.mark.parametrize(
     "path, body, param",
     [
-        ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens"),
-        ("/tokenize", {"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
+        ("/tokenize", {"prompt": "x", "add_special_tokens": "maybe"}, "add_special_tokens"),
+        ("/tokenize", {"messages": [{"role": "", "content": "x"}]}, "messages.0.role"),
         ("/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt"),
         ("/detokenize", {"tokens": [1, "a"]}, "tokens.1"),
         ("/detokenize", {}, "tokens"),

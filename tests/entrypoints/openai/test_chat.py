@@ -133,7 +133,7 @@ def test_unknown_model_is_404(client):
 BAD = [
     ({"messages": []}, "messages", "at least one"),
     ({"messages": "hi"}, "messages", "messages"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role", "role"),
+    ({"messages": [{"role": "", "content": "hi"}]}, "messages.0.role", "role"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
         "messages.0.content.0",
@@ -156,7 +156,7 @@ BAD = [
     ({"seed": "abc"}, "seed", "seed"),
     ({"logit_bias": {"x": 1}}, "logit_bias", "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias", "logit_bias"),
-    ({"stream": "yes"}, "stream", "stream"),
+    ({"stream": "perhaps"}, "stream", "stream"),
     ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs", "tokenize"),
 ]
 

@@ -1,4 +1,5 @@
-"""GET /health, /metrics and /version: open without an API key (auth.py), for probes and scrapers."""
+"""GET /health (and SageMaker's /ping), /load, /metrics and /version: open without an API key
+(auth.py), for probes, load balancers and scrapers."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ router = APIRouter()
 
 
 @router.get("/health")
+@router.get("/ping")
+@router.post("/ping")
 async def health(state: State) -> Response:
     """200 when the engine answers, else 503 (what a load balancer's readiness probe reads)."""
     if state.engine_dead:
@@ -27,6 +30,12 @@ async def health(state: State) -> Response:
     except Exception as exc:
         return error_response(f"the engine is not answering ({type(exc).__name__}: {exc})", 503)
     return Response(status_code=200)
+
+
+@router.get("/load")
+async def load(state: State) -> dict:
+    """Generation requests in flight (with --enable-server-load-tracking; else 0, as vLLM)."""
+    return {"server_load": state.in_flight if state.options.enable_server_load_tracking else 0}
 
 
 @router.get("/metrics")

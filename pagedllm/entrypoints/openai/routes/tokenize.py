@@ -1,9 +1,10 @@
 """POST /tokenize and /detokenize: the engine's tokenizer, and chat rendering exactly as chat
-completions render (same function, same template, tools and template kwargs)."""
+completions render (the chat handler's own ``render``: same template, tools, template kwargs and
+``continue_final_message``); GET /tokenizer_info with --enable-tokenizer-info-endpoint."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter
 
@@ -23,7 +24,10 @@ async def tokenize(state: State, request: Annotated[TokenizeRequest, typed_body(
         tokens = _tokenize(state, request)
     except ValueError as exc:  # a bad template or template kwargs: the client's to fix
         raise value_error(exc, request, "messages") from None
-    return {"tokens": tokens, "count": len(tokens), "max_model_len": state.models.max_model_len}
+    body: dict[str, Any] = {"tokens": tokens, "count": len(tokens), "max_model_len": state.models.max_model_len}
+    if request.return_token_strs:
+        body["token_strs"] = state.engine.tokenizer.convert_ids_to_tokens(tokens)
+    return body
 
 
 @router.post("/detokenize")
@@ -36,9 +40,37 @@ async def detokenize(state: State, request: Annotated[DetokenizeRequest, typed_b
     return {"prompt": state.engine.tokenizer.decode(request.tokens)}
 
 
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: State) -> dict:
+    """The tokenizer's configuration (its ``tokenizer_config.json`` fields, file paths left out),
+    its class and the chat template the server renders with."""
+    if not state.options.enable_tokenizer_info_endpoint:
+        raise OpenAIError("/tokenizer_info is off; start the server with --enable-tokenizer-info-endpoint", 404)
+    tokenizer = state.engine.tokenizer
+    config = {k: _jsonable(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()}
+    for key in ("vocab_file", "merges_file", "tokenizer_file", "name_or_path"):
+        config.pop(key, None)
+    config["tokenizer_class"] = type(tokenizer).__name__
+    template = state.options.chat_template or getattr(tokenizer, "chat_template", None)
+    if template:
+        config["chat_template"] = template
+    return config
+
+
+def _jsonable(value: Any) -> Any:
+    """Tokenizer config values as JSON: special tokens (``AddedToken``) by their text."""
+    if hasattr(value, "content"):
+        return value.content
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)
+
+
 def _tokenize(state: ServerState, request: TokenizeRequest) -> list[int]:
     tokenizer = state.engine.tokenizer
     if request.prompt is not None:
         special = True if request.add_special_tokens is None else request.add_special_tokens
         return list(tokenizer.encode(request.prompt, add_special_tokens=special))
-    return request.render_chat_ids(tokenizer, state.options.chat_template, bool(request.add_special_tokens))
+    return state.chat().render(request)[1]
