@@ -37,7 +37,7 @@ UNSUPPORTED_FIELDS = {
     "mm_processor_kwargs": "this server serves text-only models",
     "media_io_kwargs": "this server serves text-only models",
 }
-_DEFAULTS_ALLOWED = (None, False)  # an unsupported field sent with one of these changes nothing
+_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})  # what a lax boolean reads as false
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -146,7 +146,7 @@ class _SamplingRequest(StructuredRequestMixin):
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
             for name, reason in UNSUPPORTED_FIELDS.items():
-                if data.get(name) not in _DEFAULTS_ALLOWED:
+                if not _is_unset(data.get(name)):
                     raise RequestParamError(f"{name} must be left unset: {reason}", name)
         return data
 
@@ -318,18 +318,26 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateRequest):
                     "tool_choice",
                 )
 
+    @property
+    def sample_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def effective_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` and ``logprobs`` the top count (vLLM's rule; the
+        response then carries them). Not implied for a stream, which cannot carry them."""
+        if self.prompt_logprobs is None and self.echo and not self.stream:
+            return self.sample_logprobs
+        return self.prompt_logprobs
+
     def to_sampling_params(self) -> SamplingParams:
         """Raises ValueError (naming the field) for out-of-range values."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        prompt_logprobs = self.prompt_logprobs
-        if prompt_logprobs is None and self.echo and logprobs is not None:
-            prompt_logprobs = logprobs  # vLLM's rule: echo reports the prompt's logprobs too
         structured, _ = self.constraint()
         return SamplingParams(
             max_tokens=max_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            logprobs=self.sample_logprobs,
+            prompt_logprobs=self.effective_prompt_logprobs,
             **self._sampling_kwargs(structured),
         )
 
@@ -374,6 +382,10 @@ class CompletionRequest(_SamplingRequest):
     def _check_logprobs(self) -> CompletionRequest:
         if self.logprobs is not None:
             _check_logprobs_count("logprobs", self.logprobs)
+        if self.echo_only and self.min_tokens:
+            raise RequestParamError(
+                "min_tokens must be 0 with echo and max_tokens 0 (the prompt only, nothing generated)", "min_tokens"
+            )
         return self
 
     @property
@@ -402,6 +414,14 @@ class CompletionRequest(_SamplingRequest):
 
     def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
         return self.structured_outputs_params()
+
+
+def _is_unset(value: Any) -> bool:
+    """An unsupported field's value that asks for nothing: absent, null, or false (in any of the
+    spellings a lax boolean takes)."""
+    if isinstance(value, str):
+        return value.strip().lower() in _FALSE_STRINGS
+    return value is None or value is False
 
 
 def _check_logprobs_count(name: str, value: int) -> None:

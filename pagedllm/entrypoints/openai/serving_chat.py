@@ -125,8 +125,8 @@ class _ChatShape:
         self.usage.add(0, output)
         choices = [self._choice(c) for c in output.outputs]
         body = {**self.base, "object": "chat.completion", "choices": choices, "usage": self.usage.usage()}
-        if self.request.prompt_logprobs is not None:
-            body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)  # null unless asked for
+        body["prompt_token_ids"] = None  # a key even when not asked for, as vLLM's responses have it
         return {**body, **self._prompt_fields(output)}
 
     def _choice(self, completion: CompletionOutput) -> dict:
@@ -148,8 +148,7 @@ class _ChatShape:
             "finish_reason": finish_reason,
             "stop_reason": completion.stop_reason,
         }
-        if self.request.return_token_ids:
-            choice["token_ids"] = completion.token_ids
+        choice["token_ids"] = completion.token_ids if self.request.return_token_ids else None
         return choice
 
     async def events(self, stream: OutputStream) -> AsyncIterator[str]:
@@ -170,10 +169,12 @@ class _ChatShape:
             yield sse({**self.base, "choices": [], "usage": self.usage.usage()})
 
     def _opening_chunks(self, output: RequestOutput) -> list[str]:
-        """With the first output (as vLLM): each choice's role, the prompt's ids and text (on the
-        first chunk only), and the echoed message."""
-        chunks = [self._chunk(i, {"role": self.role, "content": ""}) for i in range(self.request.n)]
-        chunks[0].update(self._prompt_fields(output))
+        """With the first output (as vLLM, which also waits for it): each choice's role with the
+        prompt's ids and text where asked for, then the echoed message."""
+        chunks = [
+            {**self._chunk(i, {"role": self.role, "content": ""}), **self._prompt_fields(output)}
+            for i in range(self.request.n)
+        ]
         if self.echo:
             chunks += [self._chunk(i, {"content": self.echo}) for i in range(self.request.n)]
         return [sse(chunk) for chunk in chunks]
@@ -191,7 +192,7 @@ class _ChatShape:
             if self.request.return_token_ids:
                 first["token_ids"] = completion.token_ids
         if not deltas and (first.get("logprobs") or "token_ids" in first or completion.finish_reason):
-            deltas = [{}]
+            deltas = [{} if extractor is not None else {"content": ""}]  # vLLM's empty content delta
         chunks = [self._chunk(completion.index, delta, **(first if i == 0 else {})) for i, delta in enumerate(deltas)]
         if chunks and completion.finish_reason is not None:
             finish_reason = completion.finish_reason

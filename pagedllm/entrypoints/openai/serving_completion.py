@@ -76,8 +76,9 @@ class _CompletionShape:
             usage.add(prompt_index, output, completions)
             for completion in completions:
                 choice = self._choice(prompt_index, output, completion, True, output.prompt_logprobs, self._offsets())
-                if self.request.prompt_logprobs is not None:
-                    choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+                # Keys even when not asked for (null), as vLLM's responses have them.
+                choice = {"prompt_token_ids": None, "token_ids": None, **choice}
+                choice["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
                 choices.append(choice)
         return {**self.base, "choices": choices, "usage": usage.usage()}
 

@@ -128,7 +128,8 @@ def test_return_token_ids_and_tokens_as_ids(server, tokenizer):
     assert all(key.startswith("token_id:") for top in choice["logprobs"]["top_logprobs"] for key in top)
     assert tokenizer.decode(choice["token_ids"]).startswith(choice["text"])
     plain = complete(server, max_tokens=8)["choices"][0]
-    assert "token_ids" not in plain and "prompt_token_ids" not in plain and plain["text"] == choice["text"]
+    assert plain["token_ids"] is None and plain["prompt_token_ids"] is None and plain["prompt_logprobs"] is None
+    assert plain["text"] == choice["text"]
 
 
 def test_streamed_token_ids_and_continuous_usage(server, tokenizer):
@@ -180,10 +181,60 @@ def test_request_id_names_the_response(server):
     assert complete(server, request_id="my-req-1")["id"] == "cmpl-my-req-1"  # reusable: engine ids stay unique
 
 
-def test_allowed_token_ids_and_extra_args_pass_through(server, tokenizer):
+def test_allowed_token_ids_and_bad_words(server, tokenizer):
     token = tokenizer.encode(" fox", add_special_tokens=False)[-1]
-    choice = complete(server, allowed_token_ids=[token], return_token_ids=True, vllm_xargs={"tag": "x"})["choices"][0]
+    choice = complete(server, allowed_token_ids=[token], return_token_ids=True)["choices"][0]
     assert set(choice["token_ids"]) == {token}
+    free = complete(server, max_tokens=12, ignore_eos=True, return_token_ids=True)["choices"][0]["token_ids"]
+    # the first generated token that is a word of its own (its text encodes back to it, bare or after a space)
+    i, word = next(
+        (i, tokenizer.decode([t]).strip())
+        for i, t in enumerate(free)
+        if i
+        and tokenizer.decode([t]).strip()
+        and [t]
+        in (
+            tokenizer.encode(w, add_special_tokens=False)
+            for w in (tokenizer.decode([t]).strip(), " " + tokenizer.decode([t]).strip())
+        )
+    )
+    out = complete(server, max_tokens=12, ignore_eos=True, return_token_ids=True, bad_words=[word])["choices"][0]
+    assert out["token_ids"][:i] == free[:i] and out["token_ids"][i] != free[i]
+
+
+def test_vllm_xargs_ride_along_and_change_nothing(server):
+    plain = complete(server, max_tokens=6)["choices"][0]["text"]
+    assert complete(server, max_tokens=6, vllm_xargs={"tag": "x", "n": [1, 2]})["choices"][0]["text"] == plain
+    assert error_of(post(server, "/v1/completions", {"prompt": PROMPT, "vllm_xargs": [1]}))["param"] == "vllm_xargs"
+
+
+def test_refused_fields_sent_with_their_default_are_fine(server):
+    assert complete(server, use_beam_search="false", prompt_embeds=None, max_tokens=1)["choices"][0]["text"] is not None
+
+
+def test_streamed_echo_for_several_prompts_and_choices(server, tokenizer):
+    prompts = [PROMPT, "Once upon a time"]
+    body = {"model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 3, "echo": True, "return_token_ids": True}
+    chunks = sse_chunks(server, "/v1/completions", {**body, "temperature": 1.0, "seed": 7})
+    firsts: dict[int, dict] = {}
+    texts = {i: "" for i in range(4)}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            firsts.setdefault(choice["index"], choice)
+            texts[choice["index"]] += choice["text"]
+            assert ("prompt_token_ids" in choice) == (firsts[choice["index"]] is choice)
+    for index in range(4):
+        prompt = prompts[index // 2]
+        assert firsts[index]["prompt_token_ids"] == tokenizer.encode(prompt)
+        assert texts[index].startswith(prompt) and len(texts[index]) > len(prompt)
+
+
+def test_streamed_echo_with_max_tokens_0(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 0, "echo": True, "stream_options": {"include_usage": True}}
+    chunks = sse_chunks(server, "/v1/completions", body)
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == PROMPT
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0
 
 
 def test_cached_tokens_under_both_names(server):
@@ -270,13 +321,33 @@ def test_chat_stream_shape(server):
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in with_choices)
     assert text == full["choices"][0]["message"]["content"]
     assert [c["usage"]["completion_tokens"] for c in with_choices][-1] == 6
-    assert chunks[-1]["usage"]["cache_read_input_tokens"] >= 0
+    final = chunks[-1]["usage"]
+    assert final["cache_read_input_tokens"] == final["prompt_tokens_details"]["cached_tokens"]
 
 
-def test_custom_roles_render_with_the_template(server):
+def test_custom_roles_render_with_the_template(flagged):
     messages = [{"role": "narrator", "content": "Once upon a time"}, *MESSAGES]
-    tokens = post(server, "/tokenize", {"model": "tiny", "messages": messages}).json()["tokens"]
-    assert chat(server, messages=messages)["usage"]["prompt_tokens"] == len(tokens)
+    tokens = post(flagged, "/tokenize", {"model": "tiny", "messages": messages}).json()["tokens"]
+    out = chat(flagged, messages=messages, return_prompt_text=True)
+    assert out["usage"]["prompt_tokens"] == len(tokens)
+    assert "<|im_start|>narrator\nOnce upon a time" in out["prompt_text"]
+
+
+def test_chat_echo_with_logprobs_returns_the_prompt_logprobs(server):
+    out = chat(server, logprobs=True, top_logprobs=1, echo=True)
+    assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == out["usage"]["prompt_tokens"]
+    assert chat(server, logprobs=True)["prompt_logprobs"] is None
+
+
+def test_tool_call_stream_ends_with_the_finish_on_the_last_delta(server):
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 40, "tools": tools, "tool_choice": "required"}
+    chunks = [c for c in sse_chunks(server, "/v1/chat/completions", body) if c["choices"]]
+    finishing = [c for c in chunks if c["choices"][0]["finish_reason"]]
+    assert len(finishing) == 1 and finishing[0] is chunks[-1]
+    assert finishing[0]["choices"][0]["finish_reason"] in ("tool_calls", "length")
+    calls = [d for c in chunks for d in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert calls and calls[0]["function"]["name"] == "get_weather"
 
 
 def test_request_chat_template_needs_the_trust_flag(server, flagged):
@@ -296,9 +367,18 @@ def test_tokenize_chat_with_continue_final_message_tools_and_strs(server, tokeni
     assert out["token_strs"] == tokenizer.convert_ids_to_tokens(out["tokens"])
     chat_ids = chat(server, **body, max_tokens=1, return_token_ids=True)["prompt_token_ids"]
     assert chat_ids == out["tokens"]
-    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    with_tools = post(server, "/tokenize", {**body, "tools": tools}).json()
-    assert with_tools["count"] == len(with_tools["tokens"])
+
+
+def test_tokenize_renders_tools_as_chat_does(flagged, tokenizer):
+    template = "{% for t in tools or [] %}[{{ t.function.name }}]{% endfor %}{% for m in messages %}{{ m.content }}{% endfor %}"
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    body = {"model": "tiny", "messages": MESSAGES, "chat_template": template, "tools": tools, "tool_choice": "required"}
+    out = post(flagged, "/tokenize", body).json()
+    assert tokenizer.decode(out["tokens"]) == "[lookup]" + MESSAGES[0]["content"]
+    sent = chat(flagged, **{k: v for k, v in body.items() if k != "model"}, max_tokens=1, return_token_ids=True)
+    assert sent["prompt_token_ids"] == out["tokens"]
+    none = post(flagged, "/tokenize", {**body, "tool_choice": "none"}).json()
+    assert tokenizer.decode(none["tokens"]) == MESSAGES[0]["content"]
 
 
 def test_tokenizer_info_behind_its_flag(server, flagged):
