@@ -14,6 +14,9 @@ _LAZY = {
     "RequestOutputKind": "pagedllm.sampling_params",
     "RequestOutput": "pagedllm.outputs",
     "CompletionOutput": "pagedllm.outputs",
+    "BeamSearchParams": "pagedllm.beam_search",
+    "BeamSearchOutput": "pagedllm.beam_search",
+    "BeamSearchSequence": "pagedllm.beam_search",
     "EngineArgs": "pagedllm.config",
     "LLMEngine": "pagedllm.engine.llm_engine",
 }

@@ -103,7 +103,15 @@ class SamplingParams:
     * ``best_of``: None or equal to ``n``. Like vLLM V1 (which refuses ``best_of > 1``; current
       vLLM has dropped the field), this engine returns every sequence it samples and ranks none;
       ``best_of > n`` is refused (ask for ``n`` samples with ``logprobs`` and pick yourself),
-      ``best_of == n`` is accepted as the no-op it is.
+      ``best_of == n`` is accepted as the no-op it is. With ``use_beam_search`` it is the beam
+      width and may exceed ``n``.
+    * ``use_beam_search`` / ``length_penalty`` (vLLM V0's spelling): ``LLM.generate`` runs beam
+      search of width ``best_of`` (``n`` when None) and returns the best ``n`` beams; see
+      ``pagedllm.beam_search`` for the rule. Beam search is deterministic: temperature, top_p,
+      top_k, min_p and seed are ignored, and the options that reshape the distribution or stop
+      early (penalties, logit_bias, allowed_token_ids, bad_words, stop, stop_token_ids,
+      min_tokens, structured_outputs, prompt_logprobs, truncate_prompt_tokens) are refused. ``use_beam_search=False``
+      is the default; ``length_penalty`` other than 1.0 without beam search is refused.
     * ``bad_words``: words that must not be generated. The engine tokenizes each one when the
       request is added, bare and with a leading space (``bad_words_token_ids``); at every step,
       for each such sequence whose all-but-last tokens end the output so far, its last token is
@@ -154,6 +162,8 @@ class SamplingParams:
     truncation_side: Literal["left", "right"] = "left"  # left: keep the last k tokens
     extra_args: dict[str, Any] | None = None  # passed through; the engine reads no key
     logits_processors: list[Any] | None = None  # refused unless empty: see the class docstring
+    use_beam_search: bool = False  # beam search of width best_of (or n): see the class docstring
+    length_penalty: float = 1.0  # beam search only
     # Filled in by the engine, not by users.
     all_stop_token_ids: set[int] = field(default_factory=set)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # token sequences of bad_words
@@ -268,6 +278,18 @@ class SamplingParams:
         self._verify_request_options()
 
     def _verify_best_of(self) -> None:
+        _check(isinstance(self.use_beam_search, bool), "use_beam_search", self.use_beam_search, "a bool")
+        lp = self.length_penalty
+        _check(
+            isinstance(lp, (int, float)) and not isinstance(lp, bool) and math.isfinite(lp),
+            "length_penalty",
+            lp,
+            "a finite number",
+        )
+        if self.use_beam_search:
+            self._verify_beam_search()
+            return
+        _check(lp == 1.0, "length_penalty", lp, "1.0 (the default) unless use_beam_search=True")
         if self.best_of is None:
             return
         _check(
@@ -284,6 +306,26 @@ class SamplingParams:
             f"None or equal to n ({self.n}): like vLLM V1 this engine returns every sample and ranks "
             "none; ask for n samples with logprobs and pick the best yourself",
         )
+
+    def _verify_beam_search(self) -> None:
+        if self.best_of is not None:
+            _check(
+                isinstance(self.best_of, int) and not isinstance(self.best_of, bool) and self.best_of >= self.n,
+                "best_of",
+                self.best_of,
+                f"None or an integer >= n ({self.n}) with use_beam_search (it is the beam width)",
+            )
+        for name, default in _NOT_WITH_BEAM_SEARCH.items():
+            value = getattr(self, name)
+            if value not in (default, None) and value not in ([], {}):
+                raise ValueError(
+                    f"{name} is not supported with use_beam_search; leave it at {default!r}, got {value!r}"
+                )
+
+    @property
+    def beam_width(self) -> int:
+        """The beam width of a use_beam_search request: best_of, or n when best_of is None."""
+        return self.best_of if self.best_of is not None else self.n
 
     def _verify_request_options(self) -> None:
         words = self.bad_words
@@ -336,6 +378,23 @@ class SamplingParams:
             setattr(new, key, value)
         new._verify()
         return new
+
+
+# Options beam search would silently ignore; they must stay at these defaults with use_beam_search.
+_NOT_WITH_BEAM_SEARCH: dict[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "stop": [],
+    "stop_token_ids": [],
+    "min_tokens": 0,
+    "logit_bias": None,
+    "allowed_token_ids": None,
+    "bad_words": [],
+    "structured_outputs": None,
+    "prompt_logprobs": None,
+    "truncate_prompt_tokens": None,
+}
 
 
 def _parse_logit_bias(bias: dict) -> dict[int, float]:

@@ -178,3 +178,49 @@ def test_new_fields_cross_the_engine_socket() -> None:
     request = EngineCoreRequest("r", [1, 2, 3], params, None, cache_salt="salt")
     back = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
     assert back.sampling_params == params and back.cache_salt == "salt"
+
+
+# ------------------------------------------------------------------ beam search (vLLM V0's spelling)
+
+
+def test_use_beam_search_makes_best_of_the_beam_width() -> None:
+    params = SamplingParams(use_beam_search=True, best_of=4, n=2, length_penalty=0.5)
+    assert (params.beam_width, params.n, params.length_penalty) == (4, 2, 0.5)
+    assert SamplingParams(use_beam_search=True, n=3).beam_width == 3  # best_of None: width n
+    assert SamplingParams(use_beam_search=False).use_beam_search is False  # the no-op default
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"use_beam_search": 1}, "use_beam_search"),
+        ({"use_beam_search": True, "best_of": 1, "n": 2}, "best_of"),
+        ({"use_beam_search": True, "best_of": True}, "best_of"),
+        ({"use_beam_search": True, "length_penalty": float("nan")}, "length_penalty"),
+        ({"length_penalty": 2.0}, "length_penalty"),  # without beam search it would do nothing
+        ({"best_of": 4, "n": 2}, "best_of"),  # still refused without beam search
+        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
+        ({"use_beam_search": True, "stop_token_ids": [3]}, "stop_token_ids"),
+        ({"use_beam_search": True, "min_tokens": 2}, "min_tokens"),
+        ({"use_beam_search": True, "presence_penalty": 0.5}, "presence_penalty"),
+        ({"use_beam_search": True, "repetition_penalty": 1.2}, "repetition_penalty"),
+        ({"use_beam_search": True, "logit_bias": {3: 1.0}}, "logit_bias"),
+        ({"use_beam_search": True, "bad_words": ["darn"]}, "bad_words"),
+        ({"use_beam_search": True, "prompt_logprobs": 0}, "prompt_logprobs"),
+        ({"use_beam_search": True, "truncate_prompt_tokens": 4}, "truncate_prompt_tokens"),
+    ],
+)
+def test_beam_search_validation_names_the_field(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_beam_search_fields_cross_the_engine_socket() -> None:
+    import msgspec
+
+    from pagedllm.engine.protocol import EngineCoreRequest
+
+    params = SamplingParams(use_beam_search=True, best_of=3, n=2, length_penalty=0.7)
+    request = EngineCoreRequest("r", [1, 2, 3], params, None)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=EngineCoreRequest)
+    assert back.sampling_params == params
