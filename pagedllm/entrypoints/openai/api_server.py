@@ -21,15 +21,24 @@ import pagedllm
 from pagedllm.entrypoints.openai.auth import ServerGate
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
-from pagedllm.entrypoints.openai.routes import chat, completions, invocations, models, system, tokenize
+from pagedllm.entrypoints.openai.routes import chat, completions, invocations, models, responses, system, tokenize
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
-ROUTERS = (completions.router, chat.router, invocations.router, tokenize.router, models.router, system.router)
+ROUTERS = (
+    completions.router,
+    chat.router,
+    responses.router,
+    invocations.router,
+    tokenize.router,
+    models.router,
+    system.router,
+)
 
 
 def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
@@ -77,16 +86,13 @@ def _metrics_registry(engine: EngineClient, model_name: str) -> Any:
 def _load_handlers(engine: EngineClient, options: ServerOptions, served: ServedModels) -> dict[str, Any]:
     """The endpoint handlers the generation routes delegate to (a kind missing here answers 501)."""
     as_ids = options.return_tokens_as_token_ids
+    chat = OpenAIServingChat(
+        engine, served, options.chat_template, options.tool_call_parser, as_ids, options.trust_request_chat_template
+    )
     return {
-        "chat": OpenAIServingChat(
-            engine,
-            served,
-            options.chat_template,
-            options.tool_call_parser,
-            as_ids,
-            options.trust_request_chat_template,
-        ),
+        "chat": chat,
         "completion": OpenAIServingCompletion(engine, served, as_ids),
+        "responses": OpenAIServingResponses(chat),
     }
 
 
@@ -99,3 +105,14 @@ def _lifespan(state: ServerState) -> Callable[[FastAPI], AbstractAsyncContextMan
             state.stop_engine()
 
     return lifespan
+
+
+if __name__ == "__main__":  # vLLM's `python -m vllm.entrypoints.openai.api_server --model M`: `pagedllm serve`
+    import sys
+
+    from pagedllm.entrypoints import cli
+
+    # The engine process is spawned and re-imports __main__ by its spec's name: name the light CLI
+    # module, so it does not import this one (FastAPI, ~2 s) for nothing.
+    sys.modules["__main__"].__spec__ = sys.modules[cli.__name__].__spec__
+    sys.exit(cli.serve_main(prog="python -m pagedllm.entrypoints.openai.api_server"))

@@ -14,7 +14,7 @@ from typing import Any
 from pagedllm.entrypoints.openai.errors import error_response
 
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/invocations")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations")
 RETRY_AFTER_S = 1
 
 

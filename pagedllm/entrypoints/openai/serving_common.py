@@ -279,6 +279,10 @@ class OpenAIServing:
             return f"{self.id_prefix}-{request.request_id}"
         return random_id(self.id_prefix)
 
+    def bad_request(self, exc: ValueError, request: BaseModel) -> JSONResponse:
+        """The 400 for ``exc`` about ``request`` (a handler may rename the field it names)."""
+        return value_error_response(exc, request, self.prompt_param)
+
     async def check_constraint(self, params: Any, param: str | None) -> None:
         """Compile the request's output constraint before anything streams: an invalid one, or one
         that does not compile in time, is a 400 naming ``param`` (the field it came from)."""
@@ -319,7 +323,7 @@ class OpenAIServing:
         except ClientDisconnected:
             return Response(status_code=499)
         except ValueError as exc:
-            return value_error_response(exc, request, self.prompt_param)
+            return self.bad_request(exc, request)
         except Exception as exc:
             return server_error_response(exc)
         finally:
