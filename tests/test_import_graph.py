@@ -1,8 +1,10 @@
 """No import cycles among pagedllm's modules.
 
 Every ``import`` counts, including lazy ones inside functions (a cycle broken only by import
-order is still a cycle); imports under ``if TYPE_CHECKING:`` don't. A package's ``__init__``
-counts as a module of its own, imported only where it is named.
+order is still a cycle); imports under ``if TYPE_CHECKING:`` don't, nor those under
+``if __name__ == "__main__":`` (they run only when the module is the program, under the name
+``__main__``, so they cannot close a cycle through the module's own name). A package's
+``__init__`` counts as a module of its own, imported only where it is named.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ def modules() -> dict[str, Path]:
 def _type_checking_nodes(tree: ast.AST) -> set[int]:
     skip: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+        test = ast.unparse(node.test) if isinstance(node, ast.If) else ""
+        if "TYPE_CHECKING" in test or test in ("__name__ == '__main__'", '__name__ == "__main__"'):
             skip.update(id(n) for n in ast.walk(node))
     return skip
 

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pagedllm.config.options import GiB, check_positive, option
 
 # The CPU KV pool when kv_cache_memory is not given (CUDA sizes its pool from the free memory).
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,14 @@ class CacheArgs:
         "use exactly this many KV blocks (the null block included) instead of sizing the pool from memory",
         default_help="sized from memory",
     )
+    swap_space: float | None = option(
+        None,
+        "vLLM's host-memory KV swap space in GiB, accepted so its command lines run; it has NO effect here "
+        "(no host KV tier: preempted requests and evicted prefix-cache blocks are recomputed) and logs a "
+        "warning at start-up",
+        default_help="none: no host KV tier",
+        metavar="GiB",
+    )
 
     def create_cache_config(self, device: str) -> CacheConfig:
         check_positive("block_size", self.block_size)
@@ -45,6 +56,14 @@ class CacheArgs:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.swap_space is not None:
+            if self.swap_space < 0:
+                raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+            logger.warning(
+                "swap_space=%g GiB (--swap-space) has no effect: pagedllm has no host-memory KV tier; preempted "
+                "requests and evicted prefix-cache blocks are recomputed",
+                self.swap_space,
+            )
         gib = self.kv_cache_memory
         if gib is None and device == "cpu":
             gib = DEFAULT_CPU_KV_CACHE_GIB

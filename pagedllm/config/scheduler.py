@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from pagedllm.config.choices import SCHEDULING_POLICIES
@@ -15,6 +16,8 @@ from pagedllm.config.options import check_choice, check_positive, option
 # counts there.
 CPU_SERVING_MAX_NUM_BATCHED_TOKENS = 128
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,9 +57,21 @@ class SchedulerArgs:
         "most prompt tokens one request computes per step (0 = only the step budget); a cap keeps long "
         "prompts from stalling running decodes (lower inter-token latency)",
     )
+    enable_chunked_prefill: bool = option(
+        True,
+        "split long prompts across steps under the step token budget; always on here (vLLM's flag, accepted "
+        "so its command lines run; --no-enable-chunked-prefill only logs a warning: outputs are the same, "
+        "only how a prompt's prefill is spread over steps differs)",
+    )
 
     def create_scheduler_config(self, max_model_len: int, device: str, usage_context: str) -> SchedulerConfig:
         check_positive("max_num_seqs", self.max_num_seqs)
+        if not self.enable_chunked_prefill:
+            logger.warning(
+                "enable_chunked_prefill=False (--no-enable-chunked-prefill) has no effect: chunked prefill is "
+                "always on in pagedllm; long prompts are still split across steps under max_num_batched_tokens "
+                "(outputs are the same, only their step timing differs)"
+            )
         check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         batched = self.max_num_batched_tokens
         if batched is None:  # chunked prefill is always on: long prompts are split across steps

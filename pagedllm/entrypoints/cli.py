@@ -1,4 +1,9 @@
-"""The ``pagedllm`` command: ``serve``, ``generate``, ``bench``, ``env`` and ``build-kernels`` subcommands."""
+"""The ``pagedllm`` command: ``serve``, ``generate``, ``bench``, ``env`` and ``build-kernels`` subcommands.
+
+``serve_main`` is ``pagedllm serve`` without the subcommand, for vLLM's module entry points
+(``python -m pagedllm.entrypoints.openai.api_server --model M``, ``python -m
+pagedllm.entrypoints.api_server --model M``): the same flags, the same server.
+"""
 
 from __future__ import annotations
 
@@ -50,17 +55,41 @@ def _serve(args: argparse.Namespace) -> int:
     return run_server(args, started)
 
 
+SERVE_DESCRIPTION = "Serve a model over an OpenAI-compatible HTTP API."
+
+
+def _add_serve_args(serve: argparse.ArgumentParser) -> None:
+    add_server_args(serve)
+    add_engine_args(serve)
+    serve.set_defaults(func=_serve)
+
+
 def _add_serve(sub) -> None:
     serve = sub.add_parser(
         "serve",
         help="run the OpenAI-compatible HTTP server",
-        description="Serve a model over an OpenAI-compatible HTTP API.",
+        description=SERVE_DESCRIPTION,
         epilog=SERVE_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    add_server_args(serve)
-    add_engine_args(serve)
-    serve.set_defaults(func=_serve)
+    _add_serve_args(serve)
+
+
+def build_serve_parser(prog: str) -> argparse.ArgumentParser:
+    """``pagedllm serve``'s flags as a command of their own (the module entry points)."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description=f"{SERVE_DESCRIPTION} The same server and flags as 'pagedllm serve' (vLLM's module entry point).",
+        epilog=SERVE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_serve_args(parser)
+    return parser
+
+
+def serve_main(argv: list[str] | None = None, prog: str = "pagedllm serve") -> int:
+    """``pagedllm serve`` for ``python -m pagedllm.entrypoints[.openai].api_server [MODEL] [--model M] ...``."""
+    return _run(build_serve_parser(prog), argv)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -89,7 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return _run(build_parser(), argv)
+
+
+def _run(parser: argparse.ArgumentParser, argv: list[str] | None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -3,7 +3,9 @@
 A field ``max_model_len`` becomes ``--max-model-len`` with the field's default, choices and help
 (``config/options.py``), its type from the annotation, and the same ``dest`` as the field's
 name; so ``pagedllm serve --help`` shows what the code does. Booleans: a False default is a
-``store_true`` switch, a True default a ``--flag / --no-flag`` pair.
+``store_true`` switch, a True default a ``--flag / --no-flag`` pair. The positional field
+(``model``) is also a flag (``--model``, vLLM's ``api_server`` spelling): give either, or both
+with the same value.
 """
 
 from __future__ import annotations
@@ -48,7 +50,36 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
     for f in dataclasses.fields(cls):
         info = option_info(f)
         names = [f.name] if info.positional else [flag_name(f.name), *info.aliases]
-        group.add_argument(*names, **argparse_kwargs(f, info, hints[f.name]))
+        kwargs = argparse_kwargs(f, info, hints[f.name])
+        if info.positional:
+            kwargs["action"] = _PositionalOrFlag
+            flag_kwargs = {k: v for k, v in kwargs.items() if k not in ("nargs", "help")}
+            flag_kwargs["help"] = f"the same as the positional {f.name.upper()} (vLLM's spelling)"
+            group.add_argument(flag_name(f.name), dest=f.name, metavar=f.name.upper(), **flag_kwargs)
+        group.add_argument(*names, **kwargs)
+
+
+class _PositionalOrFlag(argparse.Action):
+    """Stores a value given as the positional or as its ``--flag``: an absent positional (argparse
+    passes its default) keeps what the flag set, and two different values are an error."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        if values is None or values == self.default:
+            return
+        current = getattr(namespace, self.dest, self.default)
+        if current not in (None, self.default, values):
+            name = self.dest.upper()
+            parser.error(
+                f"{name} given twice, as the positional and as --{self.dest}, with different values: "
+                f"{current!r} and {values!r}; give it once"
+            )
+        setattr(namespace, self.dest, values)
 
 
 def add_engine_fields(

@@ -6,6 +6,11 @@ carries ``model_name`` and ``engine`` (always "0": one engine core per front end
 owns its own ``CollectorRegistry`` (never the process-global one), so several servers or tests
 can live in one process. prometheus_client appends ``_total`` to counter names itself:
 ``Counter("vllm:prompt_tokens")`` is exposed as ``vllm:prompt_tokens_total``.
+
+Beside them, two older vLLM names that users' dashboards and recipes still query (vLLM
+deprecated them in 0.10/0.11 and then removed them): ``vllm:gpu_cache_usage_perc`` (the same
+value as ``vllm:kv_cache_usage_perc``) and ``vllm:time_per_output_token_seconds`` (the same
+observations and buckets as ``vllm:inter_token_latency_seconds``, as in vLLM's V1 engine).
 """
 
 from __future__ import annotations
@@ -85,6 +90,11 @@ class PrometheusStatLogger:
             WAITING_REASONS,
         )
         self.kv_usage = self._one(Gauge, "kv_cache_usage_perc", "KV-cache usage as a fraction: 0 = empty, 1 = full.")
+        self.gpu_cache_usage = self._one(
+            Gauge,
+            "gpu_cache_usage_perc",
+            "KV-cache usage (1 = 100 percent). Older vLLM name: the same value as vllm:kv_cache_usage_perc.",
+        )
         sleep = self._per_label(
             Gauge,
             "engine_sleep_state",
@@ -145,6 +155,12 @@ class PrometheusStatLogger:
 
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to the first output token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.tpot = histogram(
+            "time_per_output_token_seconds",
+            "Histogram of time per output token in seconds. Older vLLM name: the same observations as "
+            "vllm:inter_token_latency_seconds.",
+            ITL_BUCKETS,
+        )
         self.request_tpot = histogram(
             "request_time_per_output_token_seconds", "A request's decode time per token after the first.", ITL_BUCKETS
         )
@@ -201,6 +217,7 @@ class PrometheusStatLogger:
         self.waiting_by_reason["capacity"].set(s.num_waiting_reqs - s.num_deferred_reqs)
         self.waiting_by_reason["deferred"].set(s.num_deferred_reqs)
         self.kv_usage.set(s.kv_cache_usage)
+        self.gpu_cache_usage.set(s.kv_cache_usage)
         self.prefix_queries.inc(s.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits)
         self.preemptions.inc(s.num_preemptions)
@@ -232,6 +249,7 @@ class PrometheusStatLogger:
             self.ttft.observe(value)
         for value in it.inter_token_latencies:
             self.itl.observe(value)
+            self.tpot.observe(value)
 
     def _record_finished(self, f: FinishedRequestStats) -> None:
         self.request_success[f.finish_reason].inc()

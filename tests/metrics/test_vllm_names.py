@@ -6,8 +6,10 @@ relabelled here fails.
 Left out, as vLLM leaves them out by default: vllm:lora_requests_info (only with LoRA),
 vllm:corrupted_requests (only with VLLM_COMPUTE_NANS_IN_LOGITS), vllm:kv_block_*_seconds (only
 with --kv-cache-metrics), the KV-connector, MFU and CUDA-graph series (only when configured), and
-the deprecated vllm:gpu_cache_usage_perc, vllm:gpu_prefix_cache_* and
-vllm:time_per_output_token_seconds (hidden, then removed, in vLLM).
+vllm:gpu_prefix_cache_* (deprecated, hidden, then removed, in vLLM).
+
+Added beside them, as users' recipes still query them: the older vllm:gpu_cache_usage_perc and
+vllm:time_per_output_token_seconds (VLLM_OLDER_SERIES; vLLM deprecated, hid, then removed them).
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ VLLM_SERIES: dict[str, tuple[str, tuple[str, ...]]] = {
     "vllm:request_decode_time_seconds": ("histogram", ()),
     "vllm:request_prefill_kv_computed_tokens": ("histogram", ()),
 }
+# Older vLLM names (V0, and V1 up to 0.11 behind --show-hidden-metrics-for-version), exposed always.
+VLLM_OLDER_SERIES = {
+    "vllm:gpu_cache_usage_perc": ("gauge", ()),
+    "vllm:time_per_output_token_seconds": ("histogram", ()),
+}
 # Only with a speculative config (SpecDecodingProm).
 VLLM_SPEC_SERIES = {
     "vllm:spec_decode_num_drafts": ("counter", ()),
@@ -84,6 +91,7 @@ VLLM_BUCKETS = {
     "vllm:request_params_max_tokens": _TOKENS_256,
     "vllm:time_to_first_token_seconds": _TTFT,
     "vllm:inter_token_latency_seconds": _ITL,
+    "vllm:time_per_output_token_seconds": _ITL,  # vLLM V1's edges for it (V0's stopped at 2.5)
     "vllm:request_time_per_output_token_seconds": _ITL,
     "vllm:e2e_request_latency_seconds": _LATENCY,
     "vllm:request_queue_time_seconds": _LATENCY,
@@ -114,19 +122,19 @@ def config(model_dir, **kw):
 def test_every_vllm_series_and_no_other(llama_model_dir):
     cfg = config(llama_model_dir)
     logger = PrometheusStatLogger("m", config=cfg)
-    assert exposed(logger) == VLLM_SERIES
+    assert exposed(logger) == VLLM_SERIES | VLLM_OLDER_SERIES
     logger.log_engine_initialized(cfg, 100)  # vLLM's log_engine_initialized adds the cache info
     got = families(logger)
     info = got["vllm:cache_config_info"]  # labels: the cache config's fields, num_gpu_blocks and engine
     assert info.type == "gauge" and {"engine", "num_gpu_blocks", "block_size"} <= labels_of(info)
-    assert set(got) == set(VLLM_SERIES) | {"vllm:cache_config_info"}
+    assert set(got) == set(VLLM_SERIES) | set(VLLM_OLDER_SERIES) | {"vllm:cache_config_info"}
 
 
 def test_spec_decode_series_come_with_a_speculative_config(llama_model_dir):
     logger = PrometheusStatLogger(
         "m", config=config(llama_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     )
-    assert exposed(logger) == VLLM_SERIES | VLLM_SPEC_SERIES
+    assert exposed(logger) == VLLM_SERIES | VLLM_OLDER_SERIES | VLLM_SPEC_SERIES
     per_pos = families(logger)["vllm:spec_decode_num_accepted_tokens_per_pos"]
     assert {s.labels["position"] for s in per_pos.samples} == {"0", "1"}  # one per proposed token
 
@@ -141,3 +149,27 @@ def test_base_labels_label_values_and_bucket_edges(llama_model_dir):
     for name, edges in VLLM_BUCKETS.items():
         les = [s.labels["le"] for s in got[name].samples if s.name.endswith("_bucket")]
         assert les == [*(str(float(e)) for e in edges), "+Inf"], name
+
+
+def test_older_names_carry_the_same_values_as_todays(llama_model_dir):
+    """vllm:gpu_cache_usage_perc is vllm:kv_cache_usage_perc; vllm:time_per_output_token_seconds
+    gets every inter-token latency observation. A counter's family name (vllm:request_success)
+    is exposed, as in vLLM, only as vllm:request_success_total: what dashboards query."""
+    from pagedllm.engine.protocol import SchedulerStats
+    from pagedllm.metrics.stats import IterationStats
+
+    logger = PrometheusStatLogger("m", config=config(llama_model_dir))
+    logger.record(SchedulerStats(kv_cache_usage=0.25), IterationStats(inter_token_latencies=[0.02, 0.3, 0.3]))
+    text = generate_latest(logger.registry).decode()
+    samples = {
+        (s.name, s.labels.get("le")): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.startswith(("vllm:gpu_cache", "vllm:kv_cache", "vllm:time_per", "vllm:inter_token"))
+    }
+    assert samples[("vllm:gpu_cache_usage_perc", None)] == samples[("vllm:kv_cache_usage_perc", None)] == 0.25
+    for suffix, le in (("_count", None), ("_sum", None), ("_bucket", "0.025"), ("_bucket", "0.4"), ("_bucket", "+Inf")):
+        old = samples[(f"vllm:time_per_output_token_seconds{suffix}", le)]
+        assert old == samples[(f"vllm:inter_token_latency_seconds{suffix}", le)], (suffix, le)
+    assert samples[("vllm:time_per_output_token_seconds_count", None)] == 3
+    assert "vllm:request_success_total{" in text and "\nvllm:request_success{" not in text

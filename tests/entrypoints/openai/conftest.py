@@ -28,7 +28,10 @@ def _die_with_parent() -> None:
 
 
 class RemoteServer:
-    """Starts ``python -m pagedllm.entrypoints.cli serve MODEL ARGS`` and waits for /health."""
+    """Starts ``python -m pagedllm.entrypoints.cli serve MODEL ARGS`` and waits for /health.
+
+    ``entrypoint``: what follows ``python -m`` instead (e.g. ``["pagedllm.entrypoints.openai.api_server"]``);
+    ``model_flag``: pass the model as ``--model MODEL`` (vLLM's module entry points) instead of positionally."""
 
     def __init__(
         self,
@@ -36,15 +39,16 @@ class RemoteServer:
         args: list[str] | None = None,
         start_timeout: float = 180,
         env: dict[str, str] | None = None,
+        entrypoint: list[str] | None = None,
+        model_flag: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
             sys.executable,
             "-m",
-            "pagedllm.entrypoints.cli",
-            "serve",
-            str(model),
+            *(entrypoint or ["pagedllm.entrypoints.cli", "serve"]),
+            *(["--model", str(model)] if model_flag else [str(model)]),
             "--host",
             "127.0.0.1",
             "--port",
