@@ -1,10 +1,12 @@
 """Beam search data types and scoring (torch-free), vLLM's names and rule.
 
-Beam search runs on top of the engine (``LLM.beam_search``): each step every live beam is
-submitted as a request for one token with ``logprobs=2 * beam_width``, and the prefix cache
-makes the beams share the KV blocks of their common prefix by reference count. This module
-holds the per-prompt search state and the rule that turns one step's logprobs into the next
-beams; it knows nothing of the engine.
+Beam search runs on top of the engine (``LLM.beam_search`` offline, ``beam_search_driver`` in
+the server): each step every live beam is submitted as a request for one token with
+``logprobs=2 * beam_width``, and the prefix cache makes the beams share the KV blocks of their
+common prefix by reference count. This module holds the per-prompt search state, the rule that
+turns one step's logprobs into the next beams, and the step loop's bookkeeping both drivers
+share (:class:`BeamSearch`: live beams to step prompts, step outputs to the next beams); it
+never calls an engine.
 
 The rule (vLLM's ``LLM.beam_search``):
 
@@ -21,9 +23,12 @@ The rule (vLLM's ``LLM.beam_search``):
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from pagedllm.outputs import Logprob
+from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -140,3 +145,136 @@ class BeamSearchInstance:
             beam.finish_reason = "length"
         ranked = sorted(self.completed + self.beams, key=self.score, reverse=True)
         return ranked[: self.params.beam_width]
+
+
+# ---------------------------------------------------------------------------------- the step loop
+class BeamSearch:
+    """The engine-facing bookkeeping of one search over several prompts, shared by the offline
+    driver (``LLM``) and the server's (``entrypoints.beam_search_driver``): each step
+    :meth:`steps` yields the live beams as one-token prompts (``step_params``), the driver runs
+    them on its engine and hands the outputs, in the same order, to :meth:`advance`."""
+
+    def __init__(
+        self,
+        prompts_token_ids: list[list[int]],
+        params: BeamSearchParams,
+        eos_token_id: int | None,
+        max_model_len: int,
+        salts: list[str | None] | None = None,
+    ) -> None:
+        self.params = params
+        self.max_model_len = max_model_len
+        self.instances = [BeamSearchInstance(ids, params, eos_token_id) for ids in prompts_token_ids]
+        self.salts = salts if salts is not None else [None] * len(self.instances)
+        self.step_params = SamplingParams(
+            n=1, max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width, detokenize=False
+        )
+        self._live: list[tuple[BeamSearchInstance, BeamSearchSequence, str | None]] = []
+
+    def steps(self) -> Iterator[list[dict[str, Any]]]:
+        """The prompts of each step (one per live beam) until ``max_tokens`` steps have run or no
+        beam is left to extend; the driver calls :meth:`advance` before asking for the next."""
+        for _ in range(self.params.max_tokens):
+            self._live = []
+            for inst, salt in zip(self.instances, self.salts):
+                inst.finish_at_length_limit(self.max_model_len)
+                self._live.extend((inst, beam, salt) for beam in inst.beams)
+            if not self._live:
+                return
+            yield [_beam_prompt(beam, salt) for _, beam, salt in self._live]
+
+    def advance(self, outputs: Sequence[RequestOutput]) -> None:
+        """Expand every live beam by its step output's logprobs, then keep the best of each prompt."""
+        for (inst, beam, _), output in zip(self._live, outputs, strict=True):
+            step_logprobs = output.outputs[0].logprobs
+            assert step_logprobs, "a one-token request with logprobs reports one logprobs row"
+            inst.expand(beam, step_logprobs[0])
+        for inst in self.instances:
+            inst.prune()
+
+    def best(self) -> list[list[BeamSearchSequence]]:
+        """Per prompt, its best ``beam_width`` sequences, best first."""
+        return [inst.best() for inst in self.instances]
+
+
+def beam_search_params(sp: SamplingParams, max_model_len: int, temperature: float = 0.0) -> BeamSearchParams:
+    """The search a ``use_beam_search`` SamplingParams asks for (width ``sp.beam_width``);
+    ``max_tokens`` None: until the model's length limit."""
+    return BeamSearchParams(
+        beam_width=sp.beam_width,
+        max_tokens=sp.max_tokens or max_model_len,
+        ignore_eos=sp.ignore_eos,
+        temperature=temperature,
+        length_penalty=sp.length_penalty,
+        include_stop_str_in_output=sp.include_stop_str_in_output,
+    )
+
+
+def check_beam_width(beam_width: int, max_logprobs: int, name: str, how_to_raise: str) -> None:
+    """ValueError when a search of this width needs more logprobs per step (2 * width) than the
+    engine's ``max_logprobs`` cap (-1: none); ``name``: the width as the caller spells it,
+    ``how_to_raise``: how to start an engine with a larger cap."""
+    if 0 <= max_logprobs < 2 * beam_width:
+        raise ValueError(
+            f"{name}={beam_width}: a beam search of width {beam_width} needs 2 * {beam_width} logprobs per "
+            f"step, more than this engine's max_logprobs={max_logprobs}; use {name} <= {max_logprobs // 2} "
+            f"or start the engine with a larger max_logprobs ({how_to_raise}; -1 for no cap)"
+        )
+
+
+def decode_beams(
+    tokenizer: Any, beams: list[BeamSearchSequence], include_stop: bool, skip_special_tokens: bool = True
+) -> None:
+    """Fill in each beam's ``text``, the generated part; an EOS that ended a beam is spelled out
+    only with include_stop (it is a special token, which skip_special_tokens would otherwise drop)."""
+    for beam in beams:
+        ids = beam.output_token_ids
+        stopped = beam.finish_reason == "stop"
+        beam.text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=skip_special_tokens)
+        if stopped and include_stop:
+            beam.text += tokenizer.decode(ids[-1:], skip_special_tokens=False)
+
+
+def beams_output(
+    request_id: str,
+    prompt: str | None,
+    prompt_token_ids: list[int],
+    beams: list[BeamSearchSequence],
+    sp: SamplingParams,
+    tokenizer: Any,
+    num_cached_tokens: int = 0,
+) -> RequestOutput:
+    """One prompt's finished output: its best ``sp.n`` beams, decoded, as the choices."""
+    beams = beams[: sp.n]
+    decode_beams(tokenizer, beams, sp.include_stop_str_in_output, sp.skip_special_tokens)
+    completions = [_completion(i, beam, sp) for i, beam in enumerate(beams)]
+    return RequestOutput(
+        request_id, prompt, prompt_token_ids, None, completions, finished=True, num_cached_tokens=num_cached_tokens
+    )
+
+
+def _beam_prompt(beam: BeamSearchSequence, salt: str | None) -> dict[str, Any]:
+    prompt: dict[str, Any] = {"prompt_token_ids": beam.tokens}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    return prompt
+
+
+def _completion(index: int, beam: BeamSearchSequence, sp: SamplingParams) -> CompletionOutput:
+    logprobs = None
+    if sp.logprobs is not None:
+        logprobs = [_trim_logprobs(row, token, sp.logprobs) for row, token in zip(beam.logprobs, beam.output_token_ids)]
+    return CompletionOutput(
+        index=index,
+        text=beam.text or "",
+        token_ids=beam.output_token_ids,
+        cumulative_logprob=beam.cum_logprob,
+        logprobs=logprobs,
+        finish_reason=beam.finish_reason,
+        stop_reason=beam.stop_reason,
+    )
+
+
+def _trim_logprobs(row: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
+    """The step's candidates cut to what the request asked for: the chosen token and the top k."""
+    return {t: lp for t, lp in row.items() if t == token or k < 0 or (lp.rank is not None and lp.rank <= k)}

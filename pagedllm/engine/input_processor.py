@@ -24,25 +24,13 @@ class InputProcessor:
         self.vocab_size = config.model_config.arch.vocab_size
         self.max_logprobs = config.model_config.max_logprobs
         self.scheduling_policy = config.scheduler_config.policy
-        self.eos_token_id = tokenizer.eos_token_id
-        if self.eos_token_id is None and config.model_config.arch.eos_token_ids:
-            self.eos_token_id = config.model_config.arch.eos_token_ids[0]
+        self.eos_token_id = default_eos_token_id(config, tokenizer)
         self.extra_eos_ids = generation_eos_token_ids(config.model_config.model)
         # Compiles each new constraint once, off the engine loop, to reject bad ones at intake.
         self.grammar_compiler = make_grammar_compiler(config, tokenizer)
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self.tokenize(prompt["prompt"])
-            raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+        return tokenize_prompt(self.tokenizer, prompt)
 
     def process(
         self,
@@ -129,17 +117,7 @@ class InputProcessor:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("the prompt is empty; pass at least one token")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
-                f"(max_model_len) is {self.max_model_len} and at least one token must be "
-                "generated; shorten the prompt"
-            )
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        validate_prompt(token_ids, self.max_model_len, self.vocab_size)
 
     def _finalize_params(self, params: SamplingParams, prompt_len: int, strict: bool) -> SamplingParams:
         params.verify_vocab(self.vocab_size)
@@ -191,3 +169,40 @@ def _cache_salt(prompt: PromptType, cache_salt: str | None) -> str | None:
     if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
         raise ValueError(f"cache_salt must be a non-empty string (or left out), got {cache_salt!r}")
     return cache_salt
+
+
+def default_eos_token_id(config: EngineConfig, tokenizer: Any) -> int | None:
+    """The tokenizer's EOS, else the model config's first."""
+    if tokenizer.eos_token_id is not None or not config.model_config.arch.eos_token_ids:
+        return tokenizer.eos_token_id
+    return config.model_config.arch.eos_token_ids[0]
+
+
+def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, list[int]]:
+    """A prompt's text (None when given as ids only) and token ids."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if "prompt" in prompt:
+            return tokenize_prompt(tokenizer, prompt["prompt"])
+        raise ValueError("a dict prompt needs a 'prompt' or 'prompt_token_ids' key")
+    if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
+
+
+def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """ValueError unless the prompt is non-empty, leaves room for a token and is in the vocabulary."""
+    if not token_ids:
+        raise ValueError("the prompt is empty; pass at least one token")
+    if len(token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
+            f"(max_model_len) is {max_model_len} and at least one token must be "
+            "generated; shorten the prompt"
+        )
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

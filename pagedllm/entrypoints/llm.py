@@ -5,13 +5,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, cast
 
-from pagedllm.beam_search import BeamSearchInstance, BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from pagedllm.beam_search import (
+    BeamSearch,
+    BeamSearchOutput,
+    BeamSearchParams,
+    BeamSearchSequence,
+    beam_search_params,
+    beams_output,
+    check_beam_width,
+    decode_beams,
+)
 from pagedllm.config import EngineArgs
 from pagedllm.demo.demo_model import with_demo_model
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import render_chat_ids
-from pagedllm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagedllm.outputs import RequestOutput
 from pagedllm.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -77,61 +86,26 @@ class LLM:
         self._check_beam_width(params.beam_width)
         searched = self._run_beam_search(prompts, params)
         for beams in searched:
-            self._decode_beams(beams, params.include_stop_str_in_output, skip_special_tokens=True)
+            decode_beams(self.get_tokenizer(), beams, params.include_stop_str_in_output)
         return [BeamSearchOutput(beams) for beams in searched]
 
     def _check_beam_width(self, beam_width: int) -> None:
         max_logprobs = self.llm_engine.config.model_config.max_logprobs
-        if 0 <= max_logprobs < 2 * beam_width:
-            raise ValueError(
-                f"beam_width={beam_width} needs 2 * beam_width logprobs per step, more than this "
-                f"engine's max_logprobs={max_logprobs}; use beam_width <= {max_logprobs // 2} or start the "
-                "engine with a larger max_logprobs (LLM(..., max_logprobs=N); -1 for no cap)"
-            )
+        check_beam_width(beam_width, max_logprobs, "beam_width", "LLM(..., max_logprobs=N)")
 
     def _run_beam_search(self, prompts: list[PromptType], params: BeamSearchParams) -> list[list[BeamSearchSequence]]:
+        """Each step runs every live beam of every prompt as a one-token request (``generate``)."""
         processor = self.llm_engine.input_processor
-        instances = [BeamSearchInstance(processor.tokenize(p)[1], params, processor.eos_token_id) for p in prompts]
-        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in prompts]
-        step_params = SamplingParams(
-            n=1, max_tokens=1, temperature=params.temperature, logprobs=2 * params.beam_width, detokenize=False
+        search = BeamSearch(
+            [processor.tokenize(p)[1] for p in prompts],
+            params,
+            processor.eos_token_id,
+            self.llm_engine.config.model_config.max_model_len,
+            salts=[p.get("cache_salt") if isinstance(p, dict) else None for p in prompts],
         )
-        for _ in range(params.max_tokens):
-            if not self._beam_search_step(instances, salts, step_params):
-                break
-        return [inst.best() for inst in instances]
-
-    def _decode_beams(self, beams: list[BeamSearchSequence], include_stop: bool, skip_special_tokens: bool) -> None:
-        """The generated part; an EOS that ended a beam is spelled out only with include_stop
-        (it is a special token, which skip_special_tokens would otherwise drop)."""
-        tokenizer = self.get_tokenizer()
-        for beam in beams:
-            ids = beam.output_token_ids
-            stopped = beam.finish_reason == "stop"
-            beam.text = tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=skip_special_tokens)
-            if stopped and include_stop:
-                beam.text += tokenizer.decode(ids[-1:], skip_special_tokens=False)
-
-    def _beam_search_step(
-        self, instances: list[BeamSearchInstance], salts: list[str | None], step_params: SamplingParams
-    ) -> bool:
-        """One token for every live beam; False when no beam is left to extend."""
-        max_model_len = self.llm_engine.config.model_config.max_model_len
-        live: list[tuple[BeamSearchInstance, BeamSearchSequence, str | None]] = []
-        for inst, salt in zip(instances, salts):
-            inst.finish_at_length_limit(max_model_len)
-            live.extend((inst, beam, salt) for beam in inst.beams)
-        if not live:
-            return False
-        prompts: list[PromptType] = [_beam_prompt(beam, salt) for _, beam, salt in live]
-        outputs = self.generate(prompts, step_params, use_tqdm=False)
-        for (inst, beam, _), output in zip(live, outputs):
-            step_logprobs = output.outputs[0].logprobs
-            assert step_logprobs, "a one-token request with logprobs reports one logprobs row"
-            inst.expand(beam, step_logprobs[0])
-        for inst in instances:
-            inst.prune()
-        return True
+        for step_prompts in search.steps():
+            search.advance(self.generate(cast(list[PromptType], step_prompts), search.step_params, use_tqdm=False))
+        return search.best()
 
     def _generate_with_beams(
         self, prompts: list[PromptType], params: list[SamplingParams], priorities: list[int], use_tqdm: bool
@@ -156,22 +130,13 @@ class LLM:
         return [results[i] for i in range(len(prompts))]
 
     def _beam_search_outputs(self, prompts: list[PromptType], sp: SamplingParams) -> list[RequestOutput]:
-        beam_params = BeamSearchParams(
-            beam_width=sp.beam_width,
-            max_tokens=sp.max_tokens or self.llm_engine.config.model_config.max_model_len,
-            ignore_eos=sp.ignore_eos,
-            length_penalty=sp.length_penalty,
-            include_stop_str_in_output=sp.include_stop_str_in_output,
-        )
+        beam_params = beam_search_params(sp, self.llm_engine.config.model_config.max_model_len)
         self._check_beam_width(beam_params.beam_width)
         outputs = []
         for prompt, beams in zip(prompts, self._run_beam_search(prompts, beam_params)):
-            self._decode_beams(beams[: sp.n], sp.include_stop_str_in_output, sp.skip_special_tokens)
             text, prompt_ids = self.llm_engine.input_processor.tokenize(prompt)
-            completions = [_completion(i, beam, sp) for i, beam in enumerate(beams[: sp.n])]
-            outputs.append(
-                RequestOutput(self.llm_engine.next_request_id(), text, prompt_ids, None, completions, finished=True)
-            )
+            request_id = self.llm_engine.next_request_id()
+            outputs.append(beams_output(request_id, text, prompt_ids, beams, sp, self.get_tokenizer()))
         return outputs
 
     def chat(
@@ -221,37 +186,10 @@ class LLM:
         return [finished[i] for i in request_ids]
 
 
-def _beam_prompt(beam: BeamSearchSequence, salt: str | None) -> PromptType:
-    prompt: dict[str, Any] = {"prompt_token_ids": beam.tokens}
-    if salt is not None:
-        prompt["cache_salt"] = salt
-    return prompt
-
-
 def _beam_key(sp: SamplingParams) -> tuple:
     """Requests with equal keys can share one beam search."""
     fields = ("beam_width", "max_tokens", "ignore_eos", "length_penalty", "include_stop_str_in_output")
     return tuple(getattr(sp, name) for name in fields) + (sp.n, sp.logprobs, sp.skip_special_tokens)
-
-
-def _completion(index: int, beam: BeamSearchSequence, sp: SamplingParams) -> CompletionOutput:
-    logprobs = None
-    if sp.logprobs is not None:
-        logprobs = [_trim_logprobs(row, token, sp.logprobs) for row, token in zip(beam.logprobs, beam.output_token_ids)]
-    return CompletionOutput(
-        index=index,
-        text=beam.text or "",
-        token_ids=beam.output_token_ids,
-        cumulative_logprob=beam.cum_logprob,
-        logprobs=logprobs,
-        finish_reason=beam.finish_reason,
-        stop_reason=beam.stop_reason,
-    )
-
-
-def _trim_logprobs(row: dict[int, Logprob], token: int, k: int) -> dict[int, Logprob]:
-    """The step's candidates cut to what the request asked for: the chosen token and the top k."""
-    return {t: lp for t, lp in row.items() if t == token or k < 0 or (lp.rank is not None and lp.rank <= k)}
 
 
 def _as_prompt_list(prompts: Any) -> list[PromptType]:

@@ -27,7 +27,6 @@ MAX_N = 128  # OpenAI's limit on choices per request
 # vLLM request fields this server refuses when set to anything but their default, and why.
 UNSUPPORTED_FIELDS = {
     "prompt_embeds": "prompt embeddings are not supported by this server; send text or token ids",
-    "use_beam_search": "beam search is not supported by this server yet; leave use_beam_search false",
     "logprob_token_ids": "logprobs for chosen token ids are not supported; use logprobs (top-k) instead",
     "repetition_detection": "repetition detection is not supported by this server",
     "thinking_token_budget": "this server has no reasoning parser, so thinking_token_budget cannot be enforced",
@@ -122,7 +121,8 @@ class _SamplingRequest(StructuredRequestMixin):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    length_penalty: float = 1.0  # beam search only, which is refused; accepted as vLLM accepts it
+    use_beam_search: LaxBool = False  # beam search of width n (best_of when set), as vLLM serves it
+    length_penalty: float = 1.0  # beam search only; accepted without it, as vLLM accepts it
     min_tokens: int = 0
     ignore_eos: LaxBool = False
     stop_token_ids: list[int] | None = None
@@ -164,6 +164,20 @@ class _SamplingRequest(StructuredRequestMixin):
                 )
         return self
 
+    def _check_beam_search(self, logprobs: bool, constraint_param: str | None) -> None:
+        """With use_beam_search, the fields a beam search cannot honour are a 400 naming them
+        (``SamplingParams`` refuses the others: stop, penalties, min_tokens, ...)."""
+        if not self.use_beam_search:
+            return
+        if logprobs:
+            raise RequestParamError("logprobs are not supported with use_beam_search; drop logprobs", "logprobs")
+        if constraint_param is not None:
+            raise RequestParamError(
+                f"{constraint_param}: a constrained output is not supported with use_beam_search; "
+                f"drop {constraint_param} or use_beam_search",
+                constraint_param,
+            )
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -194,6 +208,8 @@ class _SamplingRequest(StructuredRequestMixin):
             extra_args=self.vllm_xargs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
+        if self.use_beam_search:
+            kwargs.update(use_beam_search=True, length_penalty=self.length_penalty)
         optional = dict(
             temperature=self.temperature,
             top_p=self.top_p,
@@ -333,7 +349,8 @@ class ChatCompletionRequest(_SamplingRequest, ChatTemplateRequest):
     def to_sampling_params(self) -> SamplingParams:
         """Raises ValueError (naming the field) for out-of-range values."""
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        structured, _ = self.constraint()
+        structured, param = self.constraint()
+        self._check_beam_search(bool(self.logprobs), param)
         return SamplingParams(
             max_tokens=max_tokens,
             logprobs=self.sample_logprobs,
@@ -404,7 +421,8 @@ class CompletionRequest(_SamplingRequest):
         prompt_logprobs = self.prompt_logprobs
         if prompt_logprobs is None and self.echo:
             prompt_logprobs = self.logprobs  # vLLM's rule: echo reports the prompt's logprobs too
-        structured, _ = self.constraint()
+        structured, param = self.constraint()
+        self._check_beam_search(self.logprobs is not None, param)
         return SamplingParams(
             max_tokens=1 if self.echo_only else self.max_tokens,  # the one token is not returned
             logprobs=self.logprobs,

@@ -22,7 +22,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
+from pagedllm.beam_search import beam_search_params, check_beam_width
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.beam_search_driver import beam_search
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import (
     RequestParamError,
@@ -104,9 +106,12 @@ class UsageCounter:
 # ---------------------------------------------------------------------------------- engine streams
 class OutputStream:
     """Drives several engine generators (one per prompt) in tasks; yields ``(prompt_index, output)``
-    in arrival order. ``close()`` cancels the tasks, which aborts unfinished requests."""
+    in arrival order. ``close()`` cancels the tasks, which aborts unfinished requests.
+    ``final_only``: the generators yield only their finished output (beam searches), which a
+    streaming response waits for before it starts (:meth:`prefetch`)."""
 
-    def __init__(self, generators: list[AsyncIterator[RequestOutput]]) -> None:
+    def __init__(self, generators: list[AsyncIterator[RequestOutput]], final_only: bool = False) -> None:
+        self.final_only = final_only
         self._queue: asyncio.Queue = asyncio.Queue()
         self._num_running = len(generators)
         self._buffer: list[tuple[int, RequestOutput]] = []
@@ -127,6 +132,11 @@ class OutputStream:
         its first await, and the pumps run before we resume (they were scheduled first)."""
         await asyncio.sleep(0)
         self._buffer.extend(self._drain())
+
+    async def prefetch(self) -> None:
+        """Wait for every output (raising the first error), to be read from :meth:`batches`."""
+        ready = [got async for batch in self.batches() for got in batch]
+        self._buffer = ready
 
     async def batches(self) -> AsyncIterator[list[tuple[int, RequestOutput]]]:
         """Outputs in arrival order, all that are ready at once (several steps' worth when the
@@ -285,22 +295,35 @@ class OpenAIServing:
 
     async def check_constraint(self, params: Any, param: str | None) -> None:
         """Compile the request's output constraint before anything streams: an invalid one, or one
-        that does not compile in time, is a 400 naming ``param`` (the field it came from)."""
+        that does not compile in time, is a 400 naming ``param`` (the field it came from). A beam
+        search wider than the engine's logprobs cap is a 400 naming ``n`` too."""
+        if params.use_beam_search:
+            self._check_beam_width(params.beam_width)
         try:
             await self.engine.check_structured_outputs(params)
         except ValueError as exc:
             raise RequestParamError(f"{param}: {exc}" if param else str(exc), param) from None
 
+    def _check_beam_width(self, width: int) -> None:
+        try:
+            check_beam_width(width, self.engine.config.model_config.max_logprobs, "n", "--max-logprobs N")
+        except ValueError as exc:
+            raise RequestParamError(str(exc), "n") from None
+
     def start(self, prompts: list[Any], params: Any, request: Any) -> OutputStream:
+        """Run the request: one engine request per prompt, or with ``use_beam_search`` one beam
+        search per prompt (its steps' requests are the search's own)."""
         request_id = random_id(self.id_prefix)
-
-        def generate(i: int, prompt: Any) -> AsyncIterator[RequestOutput]:
-            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-            return self.engine.generate(
-                prompt, params, rid, priority=request.priority, cache_salt=request.cache_salt, strict_max_tokens=True
-            )
-
-        return OutputStream([generate(i, p) for i, p in enumerate(prompts)])
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        options = dict(priority=request.priority, cache_salt=request.cache_salt)
+        if params.use_beam_search:
+            search = beam_search_params(params, self.engine.config.model_config.max_model_len, params.temperature)
+            searches = [beam_search(self.engine, p, params, search, rid, **options) for p, rid in zip(prompts, ids)]
+            return OutputStream(searches, final_only=True)
+        generators = [
+            self.engine.generate(p, params, rid, strict_max_tokens=True, **options) for p, rid in zip(prompts, ids)
+        ]
+        return OutputStream(generators)
 
     async def respond(
         self,
@@ -315,7 +338,10 @@ class OpenAIServing:
         handed_over = False
         try:
             if streaming:
-                await stream.wait_accepted()
+                if stream.final_only:  # as vLLM: nothing streams before the final result
+                    await until_disconnected(stream.prefetch(), raw_request)
+                else:
+                    await stream.wait_accepted()
                 handed_over = True
                 return sse_response(make_events(stream), stream)
             outputs = await until_disconnected(_collect(stream), raw_request)

@@ -94,7 +94,8 @@ def test_prompt_logprobs_on_completions(client, tokenizer):
         ({"seed": 2**63}, "seed"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens"),
         ({"truncation_side": "middle"}, "truncation_side"),
-        ({"use_beam_search": True}, "use_beam_search"),
+        ({"use_beam_search": True, "logprobs": 1}, "logprobs"),
+        ({"use_beam_search": True, "stop": ["x"]}, "stop"),
         ({"prompt_embeds": "AAAA"}, "prompt_embeds"),
         ({"echo": "maybe"}, "echo"),
     ],
@@ -429,8 +430,8 @@ def test_load_counts_requests_in_flight(server, flagged):
 
 def test_openai_client_sees_a_refused_field_as_bad_request(client):
     with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model="tiny", prompt=PROMPT, extra_body={"use_beam_search": True})
-    assert "beam search" in str(info.value)
+        client.completions.create(model="tiny", prompt=PROMPT, extra_body={"watermarking": True})
+    assert "watermarking" in str(info.value)
 
 
 def test_no_blocks_left_in_use(server, flagged):
