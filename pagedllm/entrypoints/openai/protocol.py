@@ -17,7 +17,13 @@ from pydantic import Field, field_validator, model_validator
 
 from pagedllm.entrypoints.chat_utils import render_chat
 from pagedllm.entrypoints.openai.errors import RequestParamError
-from pagedllm.entrypoints.openai.protocol_base import INT64_MAX, INT64_MIN, LaxBool, OpenAIBaseModel
+from pagedllm.entrypoints.openai.protocol_base import (
+    INT64_MAX,
+    INT64_MIN,
+    LaxBool,
+    OpenAIBaseModel,
+    refuse_unsupported,
+)
 from pagedllm.entrypoints.openai.structured import ChatTool, NamedToolChoice, StructuredRequestMixin, ToolChoice
 from pagedllm.entrypoints.openai.tool_calls import tool_choice_schema
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -36,7 +42,6 @@ UNSUPPORTED_FIELDS = {
     "mm_processor_kwargs": "this server serves text-only models",
     "media_io_kwargs": "this server serves text-only models",
 }
-_FALSE_STRINGS = frozenset({"0", "off", "f", "false", "n", "no"})  # what a lax boolean reads as false
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -144,11 +149,7 @@ class _SamplingRequest(StructuredRequestMixin):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, reason in UNSUPPORTED_FIELDS.items():
-                if not _is_unset(data.get(name)):
-                    raise RequestParamError(f"{name} must be left unset: {reason}", name)
-        return data
+        return refuse_unsupported(data, UNSUPPORTED_FIELDS)
 
     @model_validator(mode="after")
     def _check_stream_fields(self) -> _SamplingRequest:
@@ -432,14 +433,6 @@ class CompletionRequest(_SamplingRequest):
 
     def constraint(self) -> tuple[StructuredOutputsParams | None, str | None]:
         return self.structured_outputs_params()
-
-
-def _is_unset(value: Any) -> bool:
-    """An unsupported field's value that asks for nothing: absent, null, or false (in any of the
-    spellings a lax boolean takes)."""
-    if isinstance(value, str):
-        return value.strip().lower() in _FALSE_STRINGS
-    return value is None or value is False
 
 
 def _check_logprobs_count(name: str, value: int) -> None:

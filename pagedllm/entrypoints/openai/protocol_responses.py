@@ -19,9 +19,14 @@ from pagedllm.entrypoints.openai.protocol import (
     ChatMessage,
     TextContentPart,
     ToolCallFunction,
-    _is_unset,
 )
-from pagedllm.entrypoints.openai.protocol_base import INT64_MAX, INT64_MIN, LaxBool, OpenAIBaseModel
+from pagedllm.entrypoints.openai.protocol_base import (
+    INT64_MAX,
+    INT64_MIN,
+    LaxBool,
+    OpenAIBaseModel,
+    refuse_unsupported,
+)
 
 # Responses fields refused when set to anything but their default, and why.
 UNSUPPORTED_RESPONSES_FIELDS = {
@@ -179,11 +184,7 @@ class ResponsesRequest(OpenAIBaseModel):
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            for name, reason in UNSUPPORTED_RESPONSES_FIELDS.items():
-                if not _is_unset(data.get(name)):
-                    raise RequestParamError(f"{name} must be left unset: {reason}", name)
-        return data
+        return refuse_unsupported(data, UNSUPPORTED_RESPONSES_FIELDS)
 
     @field_validator("input", mode="before")
     @classmethod

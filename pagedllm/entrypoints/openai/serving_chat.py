@@ -53,7 +53,7 @@ class OpenAIServingChat(OpenAIServing):
         request.model = self.models.check(request.model)
         try:
             params = request.to_sampling_params()
-            self._check_auto_tools(request)
+            self.check_auto_tools(request)
             prompt_text, prompt_ids = self.render(request)
             await self.check_constraint(params, request.constraint()[1])
         except ValueError as exc:
@@ -62,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         shape = _ChatShape(request, self.response_id(request), self.tool_call_parser, self.as_ids(request))
         return await self.respond(stream, raw_request, request, bool(request.stream), shape.events, shape.body)
 
-    def _check_auto_tools(self, request: ChatCompletionRequest) -> None:
+    def check_auto_tools(self, request: ChatCompletionRequest) -> None:
         if request.effective_tool_choice == "auto" and self.tool_call_parser is None:
             raise RequestParamError(
                 'tool_choice "auto" (the default when tools are given) needs a server started '
@@ -100,15 +100,7 @@ class _ChatShape:
         self.usage = UsageCounter()
 
     def _extractor(self) -> ToolCallExtractor | None:
-        choice = self.request.effective_tool_choice
-        if choice == "none" or (choice == "auto" and self.tool_call_parser is None):
-            return None
-        if choice == "auto":
-            assert self.tool_call_parser is not None  # checked just above
-            return TOOL_PARSERS[self.tool_call_parser]()
-        if isinstance(choice, str):
-            return RequiredToolCalls()  # "required"
-        return NamedToolCall(choice.function.name)
+        return tool_call_extractor(self.request, self.tool_call_parser)
 
     def _prompt_fields(self, output: RequestOutput) -> dict[str, Any]:
         """The prompt's ids (as the engine ran them: truncated, if asked) and rendered text,
@@ -185,7 +177,7 @@ class _ChatShape:
         if completion.index not in self.extractors:
             self.extractors[completion.index] = self._extractor()
         extractor = self.extractors[completion.index]
-        deltas = self._deltas(completion, extractor)
+        deltas = chat_deltas(completion.text, completion.finish_reason is not None, extractor)
         first: dict[str, Any] = {}
         if completion.token_ids:
             first["logprobs"] = self._logprobs(completion)
@@ -201,15 +193,6 @@ class _ChatShape:
             chunks[-1]["choices"][0].update(finish_reason=finish_reason, stop_reason=completion.stop_reason)
         return [sse(chunk) for chunk in chunks]
 
-    def _deltas(self, completion: CompletionOutput, extractor: ToolCallExtractor | None) -> list[dict]:
-        """Content deltas, or content and tool-call deltas as the extractor finds them."""
-        if extractor is None:
-            return [{"content": completion.text}] if completion.text else []
-        deltas = extractor.feed(completion.text) if completion.text else []
-        if completion.finish_reason is not None:
-            deltas += extractor.finish()
-        return deltas
-
     def _chunk(self, index: int, delta: dict, logprobs: dict | None = None, **fields: Any) -> dict:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None, **fields}
         chunk: dict[str, Any] = {**self.base, "choices": [choice]}
@@ -223,6 +206,31 @@ class _ChatShape:
         if not self.request.logprobs or completion.logprobs is None:
             return None
         return chat_logprobs(completion.logprobs, completion.token_ids, self.num_top, self.as_ids)
+
+
+def tool_call_extractor(request: ChatCompletionRequest, tool_call_parser: str | None) -> ToolCallExtractor | None:
+    """What finds the tool calls in a choice's text: the server's parser for "auto", the forced
+    call's reader for "required" or a named function, none for "none" (or "auto" without a parser)."""
+    choice = request.effective_tool_choice
+    if choice == "none" or (choice == "auto" and tool_call_parser is None):
+        return None
+    if choice == "auto":
+        assert tool_call_parser is not None  # checked just above
+        return TOOL_PARSERS[tool_call_parser]()
+    if isinstance(choice, str):
+        return RequiredToolCalls()  # "required"
+    return NamedToolCall(choice.function.name)
+
+
+def chat_deltas(text: str, finished: bool, extractor: ToolCallExtractor | None) -> list[dict]:
+    """A choice's new text as chat deltas: content, or content and tool-call deltas as the
+    extractor finds them (it flushes what it holds once the choice is ``finished``)."""
+    if extractor is None:
+        return [{"content": text}] if text else []
+    deltas = extractor.feed(text) if text else []
+    if finished:
+        deltas += extractor.finish()
+    return deltas
 
 
 def chat_logprobs(rows: Iterable[dict[int, Logprob]], token_ids: list[int], num_top: int, as_ids: bool = False) -> dict:

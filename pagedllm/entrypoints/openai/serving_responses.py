@@ -20,14 +20,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
-from pagedllm.entrypoints.openai.errors import OpenAIError, RequestParamError, value_error
+from pagedllm.entrypoints.openai.errors import OpenAIError, value_error
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pagedllm.entrypoints.openai.protocol_responses import INPUT_ITEMS, ResponsesRequest, to_messages
 from pagedllm.entrypoints.openai.request_body import parse_body
-from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat, chat_deltas, tool_call_extractor
 from pagedllm.entrypoints.openai.serving_common import OpenAIServing, OutputStream, UsageCounter, sse
-from pagedllm.entrypoints.openai.tool_calls import NamedToolCall, RequiredToolCalls, ToolCallExtractor
-from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from pagedllm.entrypoints.openai.tool_calls import ToolCallExtractor
 from pagedllm.outputs import RequestOutput
 
 DEFAULT_STORE_SIZE = 1024
@@ -102,13 +101,14 @@ class OpenAIServingResponses(OpenAIServing):
         chat_request = self._chat_request(request, conversation)
         try:
             params = chat_request.to_sampling_params()
-            self._check_auto_tools(chat_request)
+            self.chat.check_auto_tools(chat_request)
             prompt_text, prompt_ids = self.chat.render(chat_request)
             await self.check_constraint(params, chat_request.constraint()[1])
         except ValueError as exc:
             return self.bad_request(exc, chat_request)
         stream = self.start([{"prompt_token_ids": prompt_ids, "prompt": prompt_text}], params, chat_request)
-        shape = _ResponseShape(request, self._extractor(chat_request), self._keep(request, conversation))
+        extractor = tool_call_extractor(chat_request, self.chat.tool_call_parser)
+        shape = _ResponseShape(request, extractor, self._keep(request, conversation))
         return await self.respond(stream, raw_request, chat_request, bool(request.stream), shape.events, shape.body)
 
     def retrieve(self, response_id: str) -> dict:
@@ -140,27 +140,6 @@ class OpenAIServingResponses(OpenAIServing):
         except OpenAIError as exc:
             raise OpenAIError(exc.message, exc.status, responses_param(exc.param)) from None
 
-    def _check_auto_tools(self, chat_request: ChatCompletionRequest) -> None:
-        if chat_request.effective_tool_choice == "auto" and self.chat.tool_call_parser is None:
-            raise RequestParamError(
-                'tool_choice "auto" (the default when tools are given) needs a server started with '
-                '--enable-auto-tool-choice --tool-call-parser NAME; or pass tool_choice "required", '
-                '"none" or a named function',
-                "tool_choice",
-            )
-
-    def _extractor(self, chat_request: ChatCompletionRequest) -> ToolCallExtractor | None:
-        """What finds the function calls in the output, as chat finds its tool calls."""
-        choice = chat_request.effective_tool_choice
-        if choice == "none":
-            return None
-        if choice == "auto":
-            assert self.chat.tool_call_parser is not None  # _check_auto_tools
-            return TOOL_PARSERS[self.chat.tool_call_parser]()
-        if isinstance(choice, str):
-            return RequiredToolCalls()
-        return NamedToolCall(choice.function.name)
-
     def _keep(self, request: ResponsesRequest, conversation: list[ChatMessage]) -> Callable[[dict], None]:
         """The callback that stores a finished response (a no-op with ``store: false``)."""
 
@@ -183,15 +162,8 @@ class _OutputBuilder:
         self.open: dict | None = None  # the item being generated
 
     def feed(self, text: str, finished: bool) -> list[dict]:
-        deltas: list[dict] = []
-        if self.extractor is None:
-            deltas = [{"content": text}] if text else []
-        else:
-            deltas = self.extractor.feed(text) if text else []
-            if finished:
-                deltas += self.extractor.finish()
         events: list[dict] = []
-        for delta in deltas:
+        for delta in chat_deltas(text, finished, self.extractor):
             if delta.get("content"):
                 events += self._text(delta["content"])
             for call in delta.get("tool_calls") or []:

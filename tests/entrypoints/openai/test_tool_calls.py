@@ -192,6 +192,6 @@ def test_auto_needs_a_parser_on_the_server():
     handler = OpenAIServingChat(None, ["tiny"])  # no --enable-auto-tool-choice
     for kwargs in ({"tools": TOOLS}, {"tools": TOOLS, "tool_choice": "auto"}):
         with pytest.raises(RequestParamError, match="--enable-auto-tool-choice --tool-call-parser"):
-            handler._check_auto_tools(request(**kwargs))
+            handler.check_auto_tools(request(**kwargs))
     for choice in ("none", "required"):
-        handler._check_auto_tools(request(tools=TOOLS, tool_choice=choice))
+        handler.check_auto_tools(request(tools=TOOLS, tool_choice=choice))
