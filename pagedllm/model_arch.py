@@ -58,6 +58,7 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
+    encoder_only: bool = False  # bidirectional attention, no KV cache (BERT-style encoders)
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -73,3 +74,13 @@ class ModelArchConfig:
 # class (tests/test_config_choices.py checks that the two agree). Here, so that the torch-free
 # config can reject an unknown model without reaching into models/.
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Architectures without an LM head (bare decoders, encoders): they serve the pooling runner only.
+POOLING_ONLY_ARCHITECTURES = (
+    "BertModel",
+    "RobertaModel",
+    "XLMRobertaModel",
+    "LlamaModel",
+    "MistralModel",
+    "Qwen2Model",
+    "Qwen3Model",
+)

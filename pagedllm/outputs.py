@@ -6,8 +6,13 @@ about tokenizers, the engine core or torch.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -117,3 +122,68 @@ def _short(items: Sequence | None, limit: int = 8) -> str:
         return repr(items)
     head = ", ".join(repr(x) for x in items[:limit])
     return f"[{head}, ... ({len(items)} total)]"
+
+
+@dataclass
+class PoolingOutput:
+    """A pooling request's result: the embedding as float32 bytes (``data`` makes a tensor)."""
+
+    raw: bytes
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The embedding as a 1-D float32 tensor (vLLM's ``PoolingOutput.data``)."""
+        import torch
+
+        return torch.frombuffer(bytearray(self.raw), dtype=torch.float32)
+
+    @property
+    def embedding(self) -> list[float]:
+        return array("f", self.raw).tolist()
+
+    def __repr__(self) -> str:
+        return f"PoolingOutput(embedding={_short(self.embedding)})"
+
+
+@dataclass
+class EmbeddingOutput:
+    """vLLM's ``EmbeddingOutput``: the embedding as a list of floats."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+    def __repr__(self) -> str:
+        return f"EmbeddingOutput(embedding={_short(self.embedding)})"
+
+
+@dataclass
+class PoolingRequestOutput:
+    """Everything reported for one pooling request; ``outputs`` is None when it did not finish
+    with an embedding (aborted, or ``finish_reason`` "error" with ``error`` saying why)."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool
+    num_cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What ``LLM.embed`` returns per prompt: ``outputs.embedding`` is a list of floats."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        if output.outputs is None:
+            raise ValueError(f"request {output.request_id} has no embedding: {output.error or output.finish_reason}")
+        return cls(output.request_id, EmbeddingOutput(output.outputs.embedding), output.prompt_token_ids)

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.protocol import EngineCoreRequest, FinishReason
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ class Request:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -62,6 +64,7 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
         self.cache_salt = cache_salt
+        self.pooling_params = pooling_params  # a pooling request: it ends when its prompt is computed
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
@@ -87,6 +90,7 @@ class Request:
             req.arrival_time,
             req.priority,
             req.cache_salt,
+            req.pooling_params,
         )
 
     @property
@@ -109,6 +113,14 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_every_prompt_position(self) -> bool:
+        """Prompt logprobs and MEAN/CLS pooling read every prompt position's output, which a
+        prefix-cache hit would skip."""
+        if self.sampling_params.prompt_logprobs is not None:
+            return True
+        return self.pooling_params is not None and self.pooling_params.needs_every_position
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

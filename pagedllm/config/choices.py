@@ -23,6 +23,9 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")  # the proposers in spec_decode/
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")  # entrypoints/openai/tool_parsers.py
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 USAGE_CONTEXTS = ("llm", "serve")  # offline batches, the OpenAI server
+RUNNERS = ("auto", "generate", "pooling")  # what the model runner does with the hidden states
+# vLLM's older --task spellings: each names a runner.
+TASKS = {"auto": "auto", "generate": "generate", "embed": "pooling", "embedding": "pooling"}
 
 
 def canonical_dtype(dtype: str) -> str:

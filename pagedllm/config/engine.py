@@ -8,7 +8,7 @@ dataclasses' fields, so its keyword names, ``LLM(...)``'s and the CLI flags come
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedllm.config.cache import DEFAULT_CPU_KV_CACHE_GIB, CacheArgs, CacheConfig
 from pagedllm.config.choices import USAGE_CONTEXTS
@@ -16,6 +16,7 @@ from pagedllm.config.device import DeviceArgs
 from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
 from pagedllm.config.options import GiB
 from pagedllm.config.parallel import ParallelArgs, ParallelConfig
+from pagedllm.config.pooler import PoolerArgs
 from pagedllm.config.scheduler import SchedulerArgs, SchedulerConfig
 from pagedllm.config.speculative import SpeculativeArgs, SpeculativeConfig
 from pagedllm.config.structured_outputs import StructuredOutputsArgs, StructuredOutputsConfig
@@ -35,7 +36,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs (decode runs eagerly, as on CPU)
 
     def kv_bytes_per_block(self) -> int:
-        """Target layers plus, with a draft model, its layers: both share every block table."""
+        """Target layers plus, with a draft model, its layers: both share every block table. An
+        encoder keeps no KV: its blocks are bookkeeping only (0 bytes)."""
+        if self.model_config.arch.encoder_only:
+            return 0
         archs = [self.model_config.arch]
         if self.speculative_config is not None and self.speculative_config.draft_arch is not None:
             archs.append(self.speculative_config.draft_arch)
@@ -52,6 +56,7 @@ class EngineConfig:
 ENGINE_TOPICS: tuple[type, ...] = (
     ModelArgs,
     LoadArgs,
+    PoolerArgs,
     CacheArgs,
     SchedulerArgs,
     ParallelArgs,
@@ -63,7 +68,15 @@ ENGINE_TOPICS: tuple[type, ...] = (
 
 @dataclass
 class EngineArgs(
-    SpeculativeArgs, StructuredOutputsArgs, DeviceArgs, ParallelArgs, SchedulerArgs, CacheArgs, LoadArgs, ModelArgs
+    SpeculativeArgs,
+    StructuredOutputsArgs,
+    DeviceArgs,
+    ParallelArgs,
+    SchedulerArgs,
+    CacheArgs,
+    PoolerArgs,
+    LoadArgs,
+    ModelArgs,
 ):
     """Every engine option, spelled as vLLM spells it: the fields of the topic dataclasses."""
 
@@ -82,10 +95,19 @@ class EngineArgs(
         self.check_attention_backend()
         device = self.resolve_device()
         model_config = self.create_model_config(model_dir, arch, device, self.load_format)
+        runner = self.resolve_runner(arch)
+        if runner == "pooling":
+            model_config = replace(
+                model_config, runner=runner, pooler_config=self.create_pooler_config(model_dir, arch)
+            )
+        scheduler_config = self.create_scheduler_config(model_config.max_model_len, device, usage_context)
+        cache_config = self.create_cache_config(device)
+        if arch.encoder_only:
+            scheduler_config, cache_config = encoder_only_configs(scheduler_config, cache_config)
         config = EngineConfig(
             model_config,
-            self.create_cache_config(device),
-            self.create_scheduler_config(model_config.max_model_len, device, usage_context),
+            cache_config,
+            scheduler_config,
             self.create_parallel_config(),
             device,
             self.attention_backend,
@@ -97,9 +119,21 @@ class EngineArgs(
         return config
 
 
+def encoder_only_configs(scheduler: SchedulerConfig, cache: CacheConfig) -> tuple[SchedulerConfig, CacheConfig]:
+    """An encoder attends over the whole prompt at once and keeps no KV: every prompt runs in one
+    step (the step budget holds the longest one) and there is no prefix cache to hit."""
+    budget = max(scheduler.max_num_batched_tokens, scheduler.max_model_len)
+    return (
+        replace(scheduler, max_num_batched_tokens=budget, chunked_prefill=False),
+        replace(cache, enable_prefix_caching=False),
+    )
+
+
 def check_kv_budget(config: EngineConfig) -> None:
     """The one check that a fixed KV pool (CPU) holds a request of max_model_len."""
     memory = config.cache_config.kv_cache_memory_bytes
+    if config.kv_bytes_per_block() == 0:
+        return  # an encoder: no KV memory at all
     if memory is None or config.device != "cpu" or config.cache_config.num_gpu_blocks_override is not None:
         return  # CUDA: the worker sizes the pool from the free memory; an override: it checks the count
     blocks = memory // config.kv_bytes_per_block()

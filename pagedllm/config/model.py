@@ -14,6 +14,7 @@ from pagedllm.config.choices import (
     canonical_dtype,
 )
 from pagedllm.config.options import check_choice, check_positive, option
+from pagedllm.config.pooler import PoolerConfig
 from pagedllm.model_arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
 
 DEMO_MODEL_NAME = "pagedllm-demo"  # what the entrypoints serve when no model is given
@@ -32,6 +33,12 @@ class ModelConfig:
     served_model_name: str
     quantization: str | None = None  # None | int8 (weight-only) | w8a8 (int8 weights and activations); CPU float32
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
+    runner: str = "generate"  # generate | pooling (config/pooler.py)
+    pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.runner == "pooling"
 
     @property
     def dtype_bytes(self) -> int:

@@ -29,6 +29,8 @@ class SchedulerConfig:
     # Most prompt tokens one request computes in a step (0: no cap beyond the budget). A cap keeps
     # a long prompt's prefill from stalling the decodes that share its steps.
     long_prefill_token_threshold: int = 0
+    # False for encoders: a prompt runs whole in one step (its attention sees every token at once).
+    chunked_prefill: bool = True
 
 
 def default_max_num_batched_tokens(device: str, usage_context: str) -> int:

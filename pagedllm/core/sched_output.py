@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -20,6 +21,7 @@ class NewRequestData:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    pooling_params: PoolingParams | None = None  # a pooling request: embed the prompt, sample nothing
 
 
 @dataclass
@@ -78,6 +80,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, LogprobsLists] = field(default_factory=dict)
     # req_id -> tokens proposed for the next step (speculative decoding; absent = none).
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> the finished embedding (float32 bytes) of a pooling request whose prompt ended this step.
+    pooler_output: dict[str, bytes] = field(default_factory=dict)
 
 
 from pagedllm.engine.protocol import LogprobsLists  # noqa: E402  (type only; torch-free)

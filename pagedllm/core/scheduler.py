@@ -167,7 +167,7 @@ class Scheduler:
     def _num_new_tokens(self, num_uncomputed: int, plan: StepPlan) -> int:
         """The one rule: catch up with the token count, within the budget and the chunk cap."""
         threshold = self.config.long_prefill_token_threshold
-        if threshold:
+        if threshold and self.config.chunked_prefill:
             num_uncomputed = min(num_uncomputed, threshold)
         return min(num_uncomputed, plan.token_budget)
 
@@ -208,6 +208,8 @@ class Scheduler:
             request = self.waiting.peek()
             computed_blocks, num_computed = self._lookup_prefix(request)
             num_new = self._num_new_tokens(request.num_tokens - num_computed, plan)
+            if not self.config.chunked_prefill and num_new < request.num_tokens - num_computed:
+                return  # an encoder's prompt runs whole: it waits for a step with room for all of it
             block_ids = self.kv_cache_manager.allocate_slots(
                 request, num_new, computed_blocks, self.num_lookahead_tokens
             )
@@ -218,8 +220,8 @@ class Scheduler:
             plan.add(request, num_new, block_ids)
 
     def _lookup_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        if request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+        if request.needs_every_prompt_position:
+            return [], 0
         return self.kv_cache_manager.get_computed_blocks(request)
 
     def _admit(self, request: Request, num_computed: int, plan: StepPlan) -> None:
@@ -266,6 +268,9 @@ class Scheduler:
     ) -> EngineCoreOutput | None:
         """One scheduled request's results; None when it has nothing to report this step."""
         req_id = request.request_id
+        pooled = runner_output.pooler_output.get(req_id)
+        if pooled is not None:
+            return self._pooled_output(request, pooled)
         new_ids = runner_output.sampled_token_ids.get(req_id, [])
         drafts = scheduler_output.scheduled_spec_decode_tokens.get(req_id)
         num_drafts, num_accepted = settle_spec_tokens(request, drafts, new_ids, self.spec_stats)
@@ -280,6 +285,14 @@ class Scheduler:
         output.events = self.events.take(req_id)
         if num_drafts:
             output.num_draft_tokens, output.num_accepted_tokens = num_drafts, num_accepted
+        return output
+
+    def _pooled_output(self, request: Request, pooled: bytes) -> EngineCoreOutput:
+        """A pooling request ends with its embedding, the step its prompt was computed."""
+        request.status = RequestStatus.FINISHED_STOPPED
+        output = make_output(request, [], ModelRunnerOutput(sampled_token_ids={}), None)
+        output.pooling_output = pooled
+        output.events = self.events.take(request.request_id)
         return output
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:

@@ -49,7 +49,12 @@ def build_scheduler_output(
     """The plan as the worker reads it. Call before the computed counts advance."""
     new_reqs = [
         NewRequestData(
-            r.request_id, r.prompt_token_ids, r.sampling_params, plan.new_block_ids[r.request_id], r.num_computed_tokens
+            r.request_id,
+            r.prompt_token_ids,
+            r.sampling_params,
+            plan.new_block_ids[r.request_id],
+            r.num_computed_tokens,
+            r.pooling_params,
         )
         for r in plan.new_reqs
     ]

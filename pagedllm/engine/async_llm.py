@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -23,7 +23,8 @@ from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.engine.tokenizer import load_tokenizer
 from pagedllm.metrics.startup import StartupPhases
 from pagedllm.metrics.stats import IterationStats, IterationStatsTracker, StatLogger
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,35 @@ class AsyncLLM:
                 finished = item.finished
                 _raise_engine_error(item)
                 yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                await self.abort(request_id)
+
+    async def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Embed one prompt: yields its one ``PoolingRequestOutput``. Cancelling the consumer
+        aborts the request; a request the engine could not serve raises ValueError."""
+        self._check_alive()
+        if request_id in self._queues:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        request, text = self.input_processor.process_pooling(request_id, prompt, pooling_params, priority=priority)
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._ensure_output_task()
+        self.output_processor.add_request(request, text, queue=queue)
+        self.stats_tracker.add_requests([request])
+        finished = False
+        try:
+            await self.client.add_request(request)
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            finished = True
+            if item.error is not None:
+                raise ValueError(item.error)
+            yield item
         finally:
             self._queues.pop(request_id, None)
             if not finished:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.engine.tokenizer import generation_eos_token_ids
-from pagedllm.sampling_params import SamplingParams
+from pagedllm.pooling_params import PoolingParams
+from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output.manager import make_grammar_compiler
 
 # A prompt: text, token ids, or a dict with "prompt" or "prompt_token_ids" (and optionally
@@ -28,6 +30,7 @@ class InputProcessor:
         self.extra_eos_ids = generation_eos_token_ids(config.model_config.model)
         # Compiles each new constraint once, off the engine loop, to reject bad ones at intake.
         self.grammar_compiler = make_grammar_compiler(config, tokenizer)
+        self.pooler_config = config.model_config.pooler_config  # None: a generation engine
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -47,6 +50,7 @@ class InputProcessor:
         error (the server's behaviour) instead of being capped by max_model_len. ``check_grammar``:
         compile a structured-output constraint here, blocking (async callers use ``acheck``).
         ``cache_salt``: the prompt dict's ``"cache_salt"`` takes its place when present."""
+        self._check_runner("generate")
         self._check_priority(priority)
         self._check_logprobs(params)
         if check_grammar and params.structured_outputs is not None:
@@ -66,6 +70,73 @@ class InputProcessor:
             cache_salt,
         )
         return request, text
+
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: PoolingParams,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> tuple[EngineCoreRequest, str | None]:
+        """Validate and build a pooling (embedding) request: the whole prompt, up to
+        max_model_len tokens, is embedded; nothing is generated."""
+        self._check_runner("pooling")
+        self._check_priority(priority)
+        text, token_ids = self.tokenize(prompt)
+        token_ids = self._truncate_for_pooling(token_ids, params)
+        validate_prompt(token_ids, self.max_model_len, self.vocab_size, generates=False)
+        request = EngineCoreRequest(
+            request_id,
+            token_ids,
+            SamplingParams(max_tokens=1, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY),
+            None,
+            arrival_time if arrival_time is not None else time.monotonic(),
+            priority,
+            _cache_salt(prompt, None),
+            self._finalize_pooling(params),
+        )
+        return request, text
+
+    def _check_runner(self, wanted: str) -> None:
+        """Generation on an embedding engine (and the reverse) is an error that says what to use."""
+        pooling = self.pooler_config is not None
+        if wanted == "generate" and pooling:
+            raise ValueError(
+                f"the model {self.config.model_config.served_model_name} runs as an embedding model (runner "
+                "pooling): it embeds prompts (LLM.embed, /v1/embeddings) and cannot generate text; start the "
+                "engine with --runner generate for generation, if the model has a language-model head"
+            )
+        if wanted == "pooling" and not pooling:
+            raise ValueError(
+                f"the model {self.config.model_config.served_model_name} runs as a generation model: it "
+                "generates text (LLM.generate, /v1/completions, /v1/chat/completions) and does not embed; "
+                "start the engine with --runner pooling (LLM(..., runner='pooling')) for embeddings"
+            )
+
+    def _truncate_for_pooling(self, token_ids: list[int], params: PoolingParams) -> list[int]:
+        keep = params.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        elif keep > self.max_model_len:
+            raise ValueError(
+                f"truncate_prompt_tokens={keep} is more than this model's maximum context length "
+                f"(max_model_len) of {self.max_model_len}; pass at most {self.max_model_len}, or -1"
+            )
+        return token_ids[-keep:] if params.truncation_side == "left" else token_ids[:keep]
+
+    def _finalize_pooling(self, params: PoolingParams) -> PoolingParams:
+        """The request's copy, with the model's pooling type; ``dimensions`` within the model's."""
+        config = self.pooler_config
+        assert config is not None, "checked by _check_runner"
+        if params.dimensions is not None and params.dimensions > config.hidden_size:
+            raise ValueError(
+                f"dimensions={params.dimensions} is more than this model's embedding size of {config.hidden_size}; "
+                f"pass at most {config.hidden_size}, or leave dimensions out for the full embedding"
+            )
+        return dataclasses.replace(params, pooling_type=config.pooling_type)
 
     def _check_priority(self, priority: int) -> None:
         """A priority the scheduler would ignore is an error, offline and on the server alike."""
@@ -193,15 +264,17 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, lis
     raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
 
-def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """ValueError unless the prompt is non-empty, leaves room for a token and is in the vocabulary."""
+def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, generates: bool = True) -> None:
+    """ValueError unless the prompt is non-empty, fits (leaving room for a token when it
+    ``generates``) and is in the vocabulary."""
     if not token_ids:
         raise ValueError("the prompt is empty; pass at least one token")
-    if len(token_ids) >= max_model_len:
+    if len(token_ids) > max_model_len - generates:
+        room = " and at least one token must be generated" if generates else ""
+        advice = "shorten the prompt" if generates else "shorten the input or pass truncate_prompt_tokens"
         raise ValueError(
             f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
-            f"(max_model_len) is {max_model_len} and at least one token must be "
-            "generated; shorten the prompt"
+            f"(max_model_len) is {max_model_len}{room}; {advice}"
         )
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:

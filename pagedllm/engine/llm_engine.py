@@ -10,7 +10,8 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -46,11 +47,19 @@ class LLMEngine:
         for core_request in self.output_processor.fan_out(request, text):
             self.engine_core.add_request(core_request)
 
+    def add_pooling_request(
+        self, request_id: str, prompt: PromptType, params: PoolingParams, arrival_time: float | None = None
+    ) -> None:
+        """Validate, tokenize and queue one pooling (embedding) request."""
+        request, text = self.input_processor.process_pooling(request_id, prompt, params, arrival_time)
+        self.output_processor.add_request(request, text)
+        self.engine_core.add_request(request)
+
     def abort_request(self, request_ids: list[str]) -> None:
         ids = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(ids)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestOutput | PoolingRequestOutput]:
         core_outputs = self.engine_core.step()
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         if processed.reqs_to_abort:

@@ -19,7 +19,14 @@ from pagedllm.engine.detokenizer import IncrementalDetokenizer, TokenTextCache
 from pagedllm.engine.logprobs import LogprobsProcessor
 from pagedllm.engine.parallel_sampling import ParentRequest
 from pagedllm.engine.protocol import EngineCoreOutput, EngineCoreRequest, FinishReason
-from pagedllm.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from pagedllm.outputs import (
+    CompletionOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from pagedllm.sampling_params import RequestOutputKind
 
 DELTA = RequestOutputKind.DELTA
@@ -28,7 +35,7 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 @dataclass
 class OutputProcessorOutput:
-    request_outputs: list[RequestOutput] = field(default_factory=list)
+    request_outputs: list[RequestOutput | PoolingRequestOutput] = field(default_factory=list)
     reqs_to_abort: list[str] = field(default_factory=list)  # finished here by a stop string
 
 
@@ -57,6 +64,7 @@ class RequestState:
         self.metrics = RequestMetrics(request.arrival_time or time.monotonic())
         self.num_cached_tokens = 0
         self._num_sent_tokens = 0  # output tokens already reported (for DELTA)
+        self.pooling = request.pooling_params is not None  # reported once, with its embedding
 
     def update(self, out: EngineCoreOutput) -> str | None:
         """Take one step's output; return the stop string that finished it, if any."""
@@ -106,6 +114,19 @@ class RequestState:
         if self.output_kind == DELTA:
             return self.logprobs.pop_prompt_logprobs()
         return self.logprobs.prompt_logprobs
+
+    def make_pooling_output(self, out: EngineCoreOutput) -> PoolingRequestOutput:
+        """The pooling request's one output: its embedding, or why it has none."""
+        error = str(out.stop_reason) if out.finish_reason == FinishReason.ERROR else None
+        return PoolingRequestOutput(
+            self.request_id,
+            PoolingOutput(out.pooling_output) if out.pooling_output is not None else None,
+            self.prompt_token_ids,
+            True,
+            out.num_cached_tokens,
+            str(out.finish_reason),
+            error,
+        )
 
     def make_output(self, completion: CompletionOutput) -> RequestOutput:
         return RequestOutput(
@@ -220,6 +241,9 @@ class OutputProcessor:
         result: OutputProcessorOutput,
         touched: dict[str, ParentRequest],
     ) -> None:
+        if state.pooling:
+            self._process_pooling(state, out, now, result)
+            return
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
         stop_string = state.update(out)
         if stop_string is not None:
@@ -241,6 +265,16 @@ class OutputProcessor:
         else:
             self._to_parent(state, completion, result, touched)
 
+    def _process_pooling(
+        self, state: RequestState, out: EngineCoreOutput, now: float, result: OutputProcessorOutput
+    ) -> None:
+        if not out.finished:
+            return  # a prompt chunk: the request reports once, when its embedding is done
+        if self.log_stats:
+            state.update_metrics(out, now, True)
+        del self.request_states[state.request_id]
+        self._emit(state.queue, state.make_pooling_output(out), result)
+
     def _to_parent(
         self,
         state: RequestState,
@@ -260,7 +294,7 @@ class OutputProcessor:
             touched[parent.request_id] = parent
 
     @staticmethod
-    def _emit(queue: Any, output: RequestOutput, result: OutputProcessorOutput) -> None:
+    def _emit(queue: Any, output: RequestOutput | PoolingRequestOutput, result: OutputProcessorOutput) -> None:
         if queue is not None:
             queue.put_nowait(output)
         else:

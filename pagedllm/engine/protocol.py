@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -64,6 +65,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     arrival_time: float = 0.0
     priority: int = 0
     cache_salt: str | None = None
+    # A pooling request: the engine embeds the prompt and ends it (sampling_params is unused).
+    pooling_params: PoolingParams | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -101,6 +104,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     num_draft_tokens: int = 0  # speculative decoding: proposals verified this step
     num_accepted_tokens: int = 0  # of those, accepted
     events: list[EngineCoreEvent] | None = None  # since the request's last output, oldest first
+    pooling_output: bytes | None = None  # a pooling request's embedding: float32, little-endian
 
     @property
     def finished(self) -> bool:

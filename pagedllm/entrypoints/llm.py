@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -20,7 +21,8 @@ from pagedllm.demo.demo_model import with_demo_model
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import render_chat_ids
-from pagedllm.outputs import RequestOutput
+from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -72,7 +74,43 @@ class LLM:
         except Exception:
             self.llm_engine.abort_request(ids)  # one bad prompt must not leave the others queued
             raise
-        return self._run_engine(ids, use_tqdm)
+        return cast(list[RequestOutput], self._run_engine(ids, use_tqdm))
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in prompt order (``outputs.embedding``: a list of floats).
+        The engine must run the pooling runner (``LLM(model, runner="pooling")``, the default for
+        models without an LM head). ``truncate_prompt_tokens`` applies to every prompt."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm, truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """vLLM's general pooling call: one ``PoolingRequestOutput`` per prompt
+        (``outputs.data``: a float32 tensor). Embedding requests batch with each other."""
+        prompts = _as_prompt_list(prompts)
+        params = _per_prompt(pooling_params, len(prompts), "pooling_params", PoolingParams)
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompts, params):
+                ids.append(self.llm_engine.next_request_id())
+                self.llm_engine.add_pooling_request(ids[-1], prompt, p)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return cast(list[PoolingRequestOutput], self._run_engine(ids, use_tqdm))
 
     def beam_search(
         self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams
@@ -172,8 +210,8 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    def _run_engine(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput | PoolingRequestOutput]:
+        finished: dict[str, RequestOutput | PoolingRequestOutput] = {}
         bar = _progress_bar(len(request_ids)) if use_tqdm else None
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
@@ -204,9 +242,9 @@ def _as_prompt_list(prompts: Any) -> list[PromptType]:
     return list(prompts)
 
 
-def _per_prompt(value: Any, n: int, name: str) -> list:
+def _per_prompt(value: Any, n: int, name: str, default: type = SamplingParams) -> list:
     if value is None:
-        return [SamplingParams() for _ in range(n)]
+        return [default() for _ in range(n)]
     if isinstance(value, (list, tuple)):
         if len(value) != n:
             raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts; pass one or one per prompt")

@@ -160,6 +160,9 @@ class IterationStatsTracker:
             timing.take_events(out.events)
         n = len(out.new_token_ids)
         if n == 0:
+            if out.pooling_output is not None:  # a pooling request's prompt counts once it is embedded
+                stats.num_prompt_tokens += timing.num_prompt_tokens
+                stats.num_cached_prompt_tokens += out.num_cached_tokens
             return
         if timing.first_token is None:
             stats.time_to_first_tokens.append(now - timing.arrival)

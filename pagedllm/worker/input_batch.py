@@ -132,13 +132,14 @@ class InputBatch:
             )
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, sched: SchedulerOutput) -> BatchInputs:
+    def prepare(self, sched: SchedulerOutput, sampling: bool = True) -> BatchInputs:
         """The step's typed inputs: token ids, positions, slot mapping and block tables gathered
         from the buffers and moved (with the sampled rows) to the device in one go, plus the
         sampling metadata of the rows that sample and the proposals they verify.
 
         A request with proposals (speculative decoding) runs its real tokens then its proposals;
         it samples at its last real token and at every proposal, and the verifier keeps a prefix.
+        ``sampling=False`` (a pooling runner): no row samples.
         """
         n = len(self.states)
         counts = np.fromiter((sched.num_scheduled_tokens[s.req_id] for s in self.states), dtype=np.int64, count=n)
@@ -148,6 +149,8 @@ class InputBatch:
         arrays["input_ids"] = self.token_ids[req_of_token, arrays["positions"]]
         # Rows that reach the end of their tokens sample: the last real token's row + each proposal's.
         sample = np.flatnonzero(starts + counts - num_drafts == self.num_tokens[:n])
+        if not sampling:
+            sample = sample[:0]
         sample_rows, arrays["logits_indices"], is_draft = _logits_rows(
             arrays["query_start_loc"], sample, num_drafts[sample]
         )

@@ -2,7 +2,9 @@
 
 One step: the input batch prepares the typed inputs, the model runs (a CUDA graph replay for
 decode-only steps), the sampler draws (verifying proposals when there are any), and a proposer,
-if speculating, guesses the next tokens from explicit inputs.
+if speculating, guesses the next tokens from explicit inputs. A pooling runner (embedding
+models) stops after the forward: its pooler turns the prompts that end in the step into
+embeddings, and nothing samples.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.models.loader import load_model
 from pagedllm.sampling.sampler import Sampler
@@ -25,6 +28,7 @@ from pagedllm.worker.causal_lm import CausalLM
 from pagedllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graphs_enabled
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layers import attention_layers, bind_kv_caches
+from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.request_state import CachedRequestState, update_states
 from pagedllm.worker.staging import HostStager
 from pagedllm.worker.step_output import prompt_logprobs, split_logprobs
@@ -55,6 +59,11 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.proposer: Proposer | None = None  # speculative decoding: set up in load_model
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps replay these (CUDA)
+        pooler_config = config.model_config.pooler_config
+        self.pooler = Pooler(pooler_config) if config.model_config.is_pooling and pooler_config else None
+        # An encoder attends bidirectionally over whole prompts and keeps no KV: its attention
+        # reads the flat batch's layout (CommonAttentionMetadata), not a paged backend's metadata.
+        self.encoder_only = config.model_config.arch.encoder_only
 
     @property
     def model(self) -> CausalLM:
@@ -118,10 +127,14 @@ class ModelRunner:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         update_states(self.requests, sched, self._make_generator)
         self.input_batch.sync(self.requests, sched)  # an empty step empties the rows too
+        if self.pooler is not None:
+            self.pooler.forget(sched.finished_req_ids)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        batch = self.input_batch.prepare(sched)
+        batch = self.input_batch.prepare(sched, sampling=self.pooler is None)
         hidden = self._forward(batch)
+        if self.pooler is not None:
+            return ModelRunnerOutput(sampled_token_ids={}, pooler_output=self.pooler(batch, hidden, self.requests))
         output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids})
         prompt_logprobs(batch, hidden, self.requests, self.model.compute_logits, output.prompt_logprobs)
         emitted = self._sample(batch, hidden, output, sched.grammar_bitmask) if batch.sampling is not None else []
@@ -134,7 +147,11 @@ class ModelRunner:
         """Hidden states [T, hidden]: a CUDA graph replay for decode-only steps, else eager."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, self.attn_backend.build_metadata(batch.attn))
+        return self.model(batch.input_ids, batch.positions, self.attention_metadata(batch.attn))
+
+    def attention_metadata(self, attn: CommonAttentionMetadata) -> Any:
+        """What the model's attention reads: the backend's metadata, or for an encoder the layout."""
+        return attn if self.encoder_only else self.attn_backend.build_metadata(attn)
 
     def _sample(
         self, batch: BatchInputs, hidden: torch.Tensor, output: ModelRunnerOutput, grammar_bitmask: Any = None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
 
@@ -27,6 +28,7 @@ class CachedRequestState:
     # [k, V]: the distributions its pending proposals were drawn from (a draft model's random
     # draws); None for deterministic proposals or none.
     draft_probs: torch.Tensor | None = None
+    pooling_params: PoolingParams | None = None  # a pooling request (embedded, never sampled)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -53,6 +55,7 @@ def update_states(
             make_generator(new.sampling_params.seed),
             list(new.block_ids),
             new.num_computed_tokens,
+            pooling_params=new.pooling_params,
         )
     cached = sched.scheduled_cached_reqs
     for req_id, resumed, block_ids, computed in zip(

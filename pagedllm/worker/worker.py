@@ -111,13 +111,15 @@ class Worker:
                     f"{self.config.model_config.max_model_len} ({needed} blocks incl. the null block)"
                 )
             return override
-        per_block = self.config.kv_bytes_per_block()
-        budget = self._kv_memory_budget()
-        if budget < per_block * needed:
-            raise ValueError(self._too_small_message(budget, per_block * needed))
         # More blocks than every sequence at full length could use only lengthens start-up;
         # what is left over still serves the prefix cache, so keep a generous cap.
         useful = self.config.scheduler_config.max_num_seqs * self.config.blocks_per_max_len_request() + 1
+        per_block = self.config.kv_bytes_per_block()
+        if per_block == 0:
+            return useful  # an encoder keeps no KV: its blocks are bookkeeping only
+        budget = self._kv_memory_budget()
+        if budget < per_block * needed:
+            raise ValueError(self._too_small_message(budget, per_block * needed))
         return int(min(budget // per_block, useful))
 
     def _too_small_message(self, budget: int, needed: int) -> str:
@@ -200,7 +202,9 @@ def profile_forward(runner: ModelRunner, config: EngineConfig) -> None:
     input_ids, positions, attn = build_flat_batch(
         [[0] * n for n in lengths], [0] * len(lengths), tables, block_size, runner.device
     )
-    hidden = runner.model(input_ids, positions, runner.attn_backend.build_metadata(attn))
+    hidden = runner.model(input_ids, positions, runner.attention_metadata(attn))
+    if config.model_config.is_pooling:
+        return  # a pooling step computes no logits and samples nothing
     # Prompt logprobs take logits of every prompt row in the step; they are freed before sampling.
     logits = runner.model.compute_logits(hidden)
     # The most logprobs a request may ask for (max_logprobs) is what the profile takes.

@@ -21,12 +21,22 @@ import pagedllm
 from pagedllm.entrypoints.openai.auth import ServerGate
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
-from pagedllm.entrypoints.openai.routes import chat, completions, invocations, models, responses, system, tokenize
+from pagedllm.entrypoints.openai.routes import (
+    chat,
+    completions,
+    embeddings,
+    invocations,
+    models,
+    responses,
+    system,
+    tokenize,
+)
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 from pagedllm.entrypoints.openai.server_state import ServerState
 from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedllm.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
@@ -34,6 +44,7 @@ ROUTERS = (
     completions.router,
     chat.router,
     responses.router,
+    embeddings.router,
     invocations.router,
     tokenize.router,
     models.router,
@@ -85,6 +96,8 @@ def _metrics_registry(engine: EngineClient, model_name: str) -> Any:
 
 def _load_handlers(engine: EngineClient, options: ServerOptions, served: ServedModels) -> dict[str, Any]:
     """The endpoint handlers the generation routes delegate to (a kind missing here answers 501)."""
+    if getattr(engine.config.model_config, "runner", "generate") == "pooling":  # stand-in engines: generate
+        return {"embedding": OpenAIServingEmbedding(engine, served)}
     as_ids = options.return_tokens_as_token_ids
     chat = OpenAIServingChat(
         engine, served, options.chat_template, options.tool_call_parser, as_ids, options.trust_request_chat_template

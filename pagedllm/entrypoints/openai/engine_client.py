@@ -7,14 +7,15 @@ a remote engine) only has to provide these members.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.input_processor import PromptType
     from pagedllm.metrics.stats import StatLogger
-    from pagedllm.outputs import RequestOutput
+    from pagedllm.outputs import PoolingRequestOutput, RequestOutput
+    from pagedllm.pooling_params import PoolingParams
     from pagedllm.sampling_params import SamplingParams
 
 
@@ -46,6 +47,12 @@ class EngineClient(Protocol):
         strict_max_tokens: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; ValueError for input it rejects; closing it aborts."""
+        ...
+
+    def encode(
+        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0
+    ) -> AsyncGenerator[PoolingRequestOutput, None]:
+        """Embed one prompt (a pooling engine): yields its one output; ValueError for bad input."""
         ...
 
     async def abort(self, request_id: str) -> None: ...

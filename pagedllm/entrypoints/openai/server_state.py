@@ -32,6 +32,9 @@ class ServerState:
 
     def handler(self, kind: str) -> Any:
         if kind not in self.handlers:
+            runner = getattr(self.engine.config.model_config, "runner", "generate")
+            if _RUNNER_OF.get(kind, runner) != runner:
+                raise OpenAIError(_wrong_runner_message(self.models.names[0], runner), 400)
             raise OpenAIError(f"{kind} completions are not implemented in this build", 501)
         return self.handlers[kind]
 
@@ -45,6 +48,22 @@ class ServerState:
         if not self.engine_stopped:
             self.engine_stopped = True
             self.engine.shutdown()
+
+
+# Which runner serves each handler kind, and what each runner's server offers.
+_RUNNER_OF = {"chat": "generate", "completion": "generate", "responses": "generate", "embedding": "pooling"}
+_ENDPOINTS = {
+    "generate": "text generation (/v1/completions, /v1/chat/completions, /v1/responses)",
+    "pooling": "embeddings (/v1/embeddings)",
+}
+
+
+def _wrong_runner_message(model: str, runner: str) -> str:
+    other = "pooling" if runner == "generate" else "generate"
+    return (
+        f"The model `{model}` is served for {_ENDPOINTS[runner]} only; this endpoint needs a server started "
+        f"with --runner {other}, which serves {_ENDPOINTS[other]}."
+    )
 
 
 def server_state(request: Request) -> ServerState:

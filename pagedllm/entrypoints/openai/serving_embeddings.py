@@ -1,0 +1,98 @@
+"""POST /v1/embeddings: one engine pooling request per input, run together (they batch in the
+engine's steps); the body lists the embeddings in input order, as floats or base64."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from array import array
+from contextlib import aclosing
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from pagedllm.entrypoints.openai.errors import server_error_response
+from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from pagedllm.entrypoints.openai.serving_common import (
+    ClientDisconnected,
+    OpenAIServing,
+    now_s,
+    random_id,
+    until_disconnected,
+)
+from pagedllm.outputs import PoolingRequestOutput
+from pagedllm.pooling_params import PoolingParams
+
+
+class OpenAIServingEmbedding(OpenAIServing):
+    prompt_param = "input"
+    id_prefix = "embd"
+
+    async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
+        request.model = self.models.check(request.model)
+        try:
+            params = request.to_pooling_params()
+            prompts = [self._engine_prompt(p, request) for p in request.inputs()]
+            outputs = await until_disconnected(self._embed_all(prompts, params, request.priority), raw_request)
+        except ClientDisconnected:
+            return Response(status_code=499)
+        except ValueError as exc:
+            return self.bad_request(exc, request)
+        except Exception as exc:
+            return server_error_response(exc)
+        return JSONResponse(self._body(request, outputs))
+
+    def _engine_prompt(self, prompt: str | list[int], request: EmbeddingRequest) -> Any:
+        if isinstance(prompt, str) and not request.add_special_tokens:
+            return {
+                "prompt": prompt,
+                "prompt_token_ids": self.engine.tokenizer.encode(prompt, add_special_tokens=False),
+            }
+        return prompt
+
+    async def _embed_all(self, prompts: list[Any], params: PoolingParams, priority: int) -> list[PoolingRequestOutput]:
+        """Every input at once; one that fails (e.g. too long) cancels the others (they abort)."""
+        request_id = random_id(self.id_prefix)
+        tasks = [
+            asyncio.ensure_future(self._embed_one(prompt, params, f"{request_id}-{i}", priority))
+            for i, prompt in enumerate(prompts)
+        ]
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+
+    async def _embed_one(
+        self, prompt: Any, params: PoolingParams, request_id: str, priority: int
+    ) -> PoolingRequestOutput:
+        async with aclosing(self.engine.encode(prompt, params, request_id, priority)) as outputs:
+            async for output in outputs:
+                return output
+        raise RuntimeError(f"the engine ended request {request_id} without an output")
+
+    def _body(self, request: EmbeddingRequest, outputs: list[PoolingRequestOutput]) -> dict:
+        data = []
+        for index, output in enumerate(outputs):
+            if output.outputs is None:
+                raise RuntimeError(f"request {output.request_id} ended without an embedding ({output.finish_reason})")
+            data.append({"index": index, "object": "embedding", "embedding": _encode(output.outputs.raw, request)})
+        num_tokens = sum(len(o.prompt_token_ids) for o in outputs)
+        return {
+            "id": self.response_id(request),
+            "object": "list",
+            "created": now_s(),
+            "model": request.model,
+            "data": data,
+            "usage": {"prompt_tokens": num_tokens, "total_tokens": num_tokens},
+        }
+
+
+def _encode(raw: bytes, request: EmbeddingRequest) -> list[float] | str:
+    """float: a JSON list; base64: the little-endian float32 bytes, as OpenAI sends them."""
+    if request.encoding_format == "base64":
+        return base64.b64encode(raw).decode("ascii")
+    return array("f", raw).tolist()
