@@ -28,6 +28,7 @@ from pagedllm.entrypoints.openai.routes import (
     invocations,
     models,
     responses,
+    score,
     system,
     tokenize,
 )
@@ -38,6 +39,7 @@ from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedllm.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 ROUTERS = (
@@ -45,6 +47,7 @@ ROUTERS = (
     chat.router,
     responses.router,
     embeddings.router,
+    score.router,
     invocations.router,
     tokenize.router,
     models.router,
@@ -97,7 +100,7 @@ def _metrics_registry(engine: EngineClient, model_name: str) -> Any:
 def _load_handlers(engine: EngineClient, options: ServerOptions, served: ServedModels) -> dict[str, Any]:
     """The endpoint handlers the generation routes delegate to (a kind missing here answers 501)."""
     if getattr(engine.config.model_config, "runner", "generate") == "pooling":  # stand-in engines: generate
-        return {"embedding": OpenAIServingEmbedding(engine, served)}
+        return {"embedding": OpenAIServingEmbedding(engine, served), "score": OpenAIServingScore(engine, served)}
     as_ids = options.return_tokens_as_token_ids
     chat = OpenAIServingChat(
         engine, served, options.chat_template, options.tool_call_parser, as_ids, options.trust_request_chat_template

@@ -66,3 +66,56 @@ class EmbeddingRequest(OpenAIBaseModel):
             normalize=self.normalize,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
+
+
+class ScoreRequest(OpenAIBaseModel):
+    """vLLM's /score with an embedding model: the cosine similarity of text pairs. ``text_1``
+    one text against each of ``text_2``, or two lists of equal length pairwise."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+    truncate_prompt_tokens: int | None = None
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    request_id: str | None = None
+
+    @field_validator("text_1", "text_2")
+    @classmethod
+    def _not_empty(cls, value: str | list[str]) -> str | list[str]:
+        texts = [value] if isinstance(value, str) else value
+        if not texts or any(not t for t in texts):
+            raise ValueError("must be a non-empty string or a non-empty list of non-empty strings")
+        if len(texts) > MAX_EMBEDDING_INPUTS:
+            raise ValueError(f"has {len(texts)} texts; pass at most {MAX_EMBEDDING_INPUTS} per request")
+        return value
+
+    def pairs(self) -> list[tuple[str, str]]:
+        first = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        second = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if len(first) == 1:
+            return [(first[0], t) for t in second]
+        if len(first) != len(second):
+            raise RequestParamError(
+                f"text_1 has {len(first)} texts and text_2 {len(second)}; pass one text_1, or as many as text_2",
+                "text_2",
+            )
+        return list(zip(first, second))
+
+
+class RerankRequest(OpenAIBaseModel):
+    """The Jina/Cohere rerank body vLLM serves: ``documents`` ranked by similarity to ``query``."""
+
+    model: str | None = None
+    query: str = Field(min_length=1)
+    documents: list[str] = Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)
+    top_n: int = Field(default=0, ge=0)  # 0: every document
+    truncate_prompt_tokens: int | None = None
+    priority: int = Field(default=0, ge=INT64_MIN, le=INT64_MAX)
+    request_id: str | None = None
+
+    @field_validator("documents")
+    @classmethod
+    def _no_empty_document(cls, value: list[str]) -> list[str]:
+        if any(not d for d in value):
+            raise ValueError("documents must not contain an empty string")
+        return value

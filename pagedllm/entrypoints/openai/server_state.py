@@ -51,10 +51,16 @@ class ServerState:
 
 
 # Which runner serves each handler kind, and what each runner's server offers.
-_RUNNER_OF = {"chat": "generate", "completion": "generate", "responses": "generate", "embedding": "pooling"}
+_RUNNER_OF = {
+    "chat": "generate",
+    "completion": "generate",
+    "responses": "generate",
+    "embedding": "pooling",
+    "score": "pooling",
+}
 _ENDPOINTS = {
     "generate": "text generation (/v1/completions, /v1/chat/completions, /v1/responses)",
-    "pooling": "embeddings (/v1/embeddings)",
+    "pooling": "embeddings (/v1/embeddings, /score, /rerank)",
 }
 
 

@@ -94,13 +94,34 @@ def test_generation_endpoints_on_an_embedding_server_name_the_served_ones(embed_
     ):
         response = httpx.post(embed_server.url_for(*path), json=body)
         assert response.status_code == 400, response.text
-        assert "embeddings (/v1/embeddings) only" in response.json()["error"]["message"]
+        assert "embeddings (/v1/embeddings, /score, /rerank) only" in response.json()["error"]["message"]
 
 
 def test_embeddings_on_a_generation_server_say_how_to_serve_them(server):
-    response = httpx.post(server.url_for("v1", "embeddings"), json={"input": "hi"})
-    assert response.status_code == 400
-    assert "--runner pooling" in response.json()["error"]["message"]
+    for path, body in ((("v1", "embeddings"), {"input": "hi"}), (("score",), {"text_1": "a", "text_2": "b"})):
+        response = httpx.post(server.url_for(*path), json=body)
+        assert response.status_code == 400
+        assert "--runner pooling" in response.json()["error"]["message"]
+
+
+def test_score_and_rerank_are_cosine_similarities(embed_server, expected):
+    vectors = {t: v for t, (_, v) in expected.items()}
+    score = httpx.post(embed_server.url_for("v1", "score"), json={"text_1": TEXTS[0], "text_2": TEXTS[1:]}).json()
+    assert [d["index"] for d in score["data"]] == [0, 1] and score["data"][0]["object"] == "score"
+    for d, text in zip(score["data"], TEXTS[1:]):
+        assert d["score"] == pytest.approx(float(vectors[TEXTS[0]] @ vectors[text]), abs=1e-5)
+    pairwise = httpx.post(embed_server.url_for("score"), json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
+    assert pairwise["data"][1]["score"] == pytest.approx(float(vectors[TEXTS[1]] @ vectors[TEXTS[2]]), abs=1e-5)
+    rerank = httpx.post(
+        embed_server.url_for("v1", "rerank"), json={"query": TEXTS[0], "documents": TEXTS, "top_n": 2}
+    ).json()
+    assert len(rerank["results"]) == 2 and rerank["results"][0]["index"] == 0  # the query itself ranks first
+    assert rerank["results"][0]["relevance_score"] == pytest.approx(1.0, abs=1e-5)
+    assert rerank["results"][0]["document"] == {"text": TEXTS[0]}
+    bad = httpx.post(embed_server.url_for("score"), json={"text_1": TEXTS[:2], "text_2": TEXTS})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text_2"
+    empty = httpx.post(embed_server.url_for("rerank"), json={"query": "q", "documents": []})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "documents"
 
 
 def test_nothing_is_left_running(embed_server):
