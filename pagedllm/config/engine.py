@@ -96,6 +96,10 @@ class EngineArgs(
         device = self.resolve_device()
         model_config = self.create_model_config(model_dir, arch, device, self.load_format)
         runner = self.resolve_runner(arch)
+        if runner == "pooling" and self.speculative_config is not None:
+            raise ValueError(
+                "speculative decoding speeds up generation; an embedding (pooling) engine generates nothing: drop --speculative-config"
+            )
         if runner == "pooling":
             model_config = replace(
                 model_config, runner=runner, pooler_config=self.create_pooler_config(model_dir, arch)
