@@ -44,6 +44,8 @@ class BertEmbeddings(nn.Module):
         super().__init__()
         hidden = config.hidden_size
         self.position_offset = config.position_offset
+        # RoBERTa numbers positions past its padding id and gives pad tokens that id (below).
+        self.padding_idx = config.pad_token_id if config.position_offset else None
         self.word_embeddings = VocabParallelEmbedding(config.vocab_size, hidden)
         # The table includes the rows before the offset (RoBERTa: 514 rows, 512 usable).
         self.position_embeddings = nn.Embedding(config.max_position_embeddings + config.position_offset, hidden)
@@ -53,7 +55,20 @@ class BertEmbeddings(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # Every token is type 0: the single-segment input that embedding models take.
         x = self.word_embeddings(input_ids) + self.token_type_embeddings.weight[0]
+        if self.padding_idx is not None:
+            positions = _skip_padding(input_ids, positions, self.padding_idx)
         return self.LayerNorm(x + self.position_embeddings(positions + self.position_offset))
+
+
+def _skip_padding(input_ids: torch.Tensor, positions: torch.Tensor, padding_idx: int) -> torch.Tensor:
+    """HF RoBERTa's position ids, minus the offset: a pad token inside a sequence sits at
+    ``padding_idx - offset`` (= -1) and does not advance the count for the tokens after it.
+    Without pad tokens this is ``positions`` unchanged (computed anyway: checking would sync the device)."""
+    real = input_ids != padding_idx
+    counted = real.cumsum(0)
+    start = torch.arange(len(positions), device=positions.device) - positions  # each token's sequence start
+    before = counted[start] - real[start].long()  # real tokens ahead of the sequence
+    return torch.where(real, counted - before - 1, -1)
 
 
 class BertSelfAttention(nn.Module):
