@@ -109,6 +109,17 @@ def test_no_kv_cache_layers_and_no_lm_head(case):
     assert not any("pooler" in name for name, _ in ours.named_parameters())
 
 
+@pytest.mark.parametrize("kw", [{"dtype": torch.bfloat16}, {"quantization": "int8"}], ids=["bf16", "int8"])
+def test_other_formats_stay_close(tiny_encoder_dir, kw):
+    """The encoder's layers take the same dtype / quantization paths as the decoders'."""
+    path, config, ours, _, tok = load_case("bert", tiny_encoder_dir)
+    model = load_model(str(path), config, device=CPU, **{"dtype": torch.float32, **kw})
+    seqs = [tok(t)["input_ids"] for t in TEXTS]
+    for got, want in zip(run_flat(model, seqs), run_flat(ours, seqs)):
+        assert got.dtype == kw.get("dtype", torch.float32)
+        torch.testing.assert_close(got.float(), want, atol=0.15, rtol=0.05)
+
+
 def test_sentence_transformers_files(bert_model_dir):
     modules = json.loads((bert_model_dir / "modules.json").read_text())
     assert [m["type"].rsplit(".", 1)[1] for m in modules] == ["Transformer", "Pooling", "Normalize"]

@@ -41,16 +41,13 @@ class EncoderAttention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_metadata: CommonAttentionMetadata
     ) -> torch.Tensor:
         """``attn_metadata.query_start_loc_cpu``: request i owns tokens [loc[i], loc[i+1])."""
-        tokens = q.shape[0]
-        q = q.view(tokens, -1, self.head_dim)
-        k = k.view(tokens, -1, self.head_dim)
-        v = v.view(tokens, -1, self.head_dim)
-        loc = attn_metadata.query_start_loc_cpu
+        tokens, loc = q.shape[0], attn_metadata.query_start_loc_cpu
         if loc[-1] != tokens:
             raise ValueError(f"attention metadata covers {loc[-1]} tokens but the batch has {tokens}")
-        lengths = {loc[i + 1] - loc[i] for i in range(len(loc) - 1)}
         if tokens == 0:
-            return q.reshape(0, self.num_heads * self.head_dim)
+            return q
+        q, k, v = (x.view(tokens, -1, self.head_dim) for x in (q, k, v))
+        lengths = {end - start for start, end in zip(loc[:-1], loc[1:])}
         if len(lengths) == 1:
             out = self._equal_lengths(q, k, v, lengths.pop())
         else:
