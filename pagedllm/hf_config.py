@@ -11,7 +11,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pagedllm.model_arch import SUPPORTED_ROPE_TYPES, ModelArchConfig, RopeConfig
+from pagedllm.model_arch import ENCODER_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelArchConfig, RopeConfig
+
+# RoBERTa-style encoders number positions from pad_token_id + 1 (HF's create_position_ids_from_input_ids).
+_OFFSET_POSITION_ARCHITECTURES = ("RobertaModel", "XLMRobertaModel")
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
@@ -27,11 +30,13 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
 
 
 def normalize_hf_config(hf: dict[str, Any]) -> ModelArchConfig:
-    """Map the many spellings of Llama/Mistral/Qwen2/Qwen3 configs onto one dataclass."""
+    """Map the many spellings of Llama/Mistral/Qwen2/Qwen3 (and BERT-family) configs onto one dataclass."""
     hf = dict(hf.get("text_config") or {}, **{k: v for k, v in hf.items() if k != "text_config"})
     architectures = hf.get("architectures") or []
     if not architectures:
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to build")
+    if architectures[0] in ENCODER_ARCHITECTURES:
+        return _normalize_encoder(hf, architectures[0])
     heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
     head_dim = hf.get("head_dim") or hidden // heads
@@ -96,3 +101,57 @@ def _sliding_windows(hf: dict[str, Any], num_layers: int) -> tuple[int | None, .
         start = int(hf["max_window_layers"])
         return tuple(window if i >= start else None for i in range(num_layers))
     return (int(window),) * num_layers
+
+
+def _normalize_encoder(hf: dict[str, Any], architecture: str) -> ModelArchConfig:
+    """BERT / RoBERTa / XLM-R: post-norm encoders with learned absolute positions, biased
+    linears everywhere and a LayerNorm (not RMSNorm)."""
+    _check_encoder(hf)
+    heads, hidden, layers = int(hf["num_attention_heads"]), int(hf["hidden_size"]), int(hf["num_hidden_layers"])
+    offset = _position_offset(hf, architecture)
+    eps = float(hf.get("layer_norm_eps", 1e-12))
+    return ModelArchConfig(
+        architecture=architecture,
+        model_type=str(hf.get("model_type", "")),
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        # The table holds `offset` rows no token can use: 514 rows -> 512 usable positions.
+        max_position_embeddings=int(hf.get("max_position_embeddings", 512)) - offset,
+        rms_norm_eps=eps,  # unused (encoders normalise with LayerNorm); kept equal to avoid a second value
+        rope=RopeConfig(),
+        hidden_act=str(hf.get("hidden_act", "gelu")),
+        attention_bias=True,
+        mlp_bias=True,
+        sliding_windows=(None,) * layers,
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=_as_tuple(hf.get("eos_token_id")),
+        torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
+        encoder_only=True,
+        layer_norm_eps=eps,
+        type_vocab_size=int(hf.get("type_vocab_size", 2)),
+        position_offset=offset,
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def _position_offset(hf: dict[str, Any], architecture: str) -> int:
+    if architecture not in _OFFSET_POSITION_ARCHITECTURES:
+        return 0
+    pad = hf.get("pad_token_id")
+    return (1 if pad is None else int(pad)) + 1
+
+
+def _check_encoder(hf: dict[str, Any]) -> None:
+    kind = hf.get("position_embedding_type") or "absolute"
+    if kind != "absolute":
+        raise ValueError(
+            f"position_embedding_type={kind!r} is not supported for encoder models; only 'absolute' "
+            "(learned position embeddings) is implemented"
+        )
+    if hf.get("is_decoder"):
+        raise ValueError("is_decoder=true turns a BERT-family model causal; only bidirectional encoders are supported")

@@ -34,7 +34,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 @dataclass(frozen=True)
 class ModelArchConfig:
-    """Everything a decoder-only model file needs to build itself."""
+    """Everything a model file needs to build itself: a decoder, or (``encoder_only``) a
+    BERT-family encoder, which runs without a KV cache and attends both ways."""
 
     architecture: str
     model_type: str
@@ -58,7 +59,15 @@ class ModelArchConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
-    encoder_only: bool = False  # bidirectional attention, no KV cache (BERT-style encoders)
+    # BERT family: no KV cache, bidirectional attention, whole sequences per step (the engine
+    # reads this to pick the no-KV, no-chunking path and a zero-byte KV pool).
+    encoder_only: bool = False
+    # Encoders: LayerNorm epsilon, token-type table rows (all inputs use type 0), and where
+    # learned absolute positions start (RoBERTa: pad_token_id + 1; BERT: 0).
+    layer_norm_eps: float = 1e-12
+    type_vocab_size: int = 0
+    position_offset: int = 0
+    pad_token_id: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -73,14 +82,16 @@ class ModelArchConfig:
 # The Hugging Face ``architectures[0]`` names pagedllm runs; models/registry.py maps each to its
 # class (tests/test_config_choices.py checks that the two agree). Here, so that the torch-free
 # config can reject an unknown model without reaching into models/.
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# Architectures without an LM head (bare decoders, encoders): they serve the pooling runner only.
-POOLING_ONLY_ARCHITECTURES = (
-    "BertModel",
-    "RobertaModel",
-    "XLMRobertaModel",
-    "LlamaModel",
-    "MistralModel",
-    "Qwen2Model",
-    "Qwen3Model",
-)
+CAUSAL_LM_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# What ``AutoModel`` saves for a decoder: the body without ``model.`` on its tensor names and
+# no LM head (e.g. Qwen3-Embedding-style checkpoints).
+BARE_DECODER_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model")
+ENCODER_ARCHITECTURES = ("BertModel", "RobertaModel", "XLMRobertaModel")
+# No LM head: these can only pool hidden states (the pooling runner is their default).
+POOLING_ONLY_ARCHITECTURES = BARE_DECODER_ARCHITECTURES + ENCODER_ARCHITECTURES
+SUPPORTED_ARCHITECTURES = CAUSAL_LM_ARCHITECTURES + POOLING_ONLY_ARCHITECTURES
+
+
+def is_pooling_only(architecture: str) -> bool:
+    """Whether ``architecture`` has no LM head, so it can embed/pool but not generate."""
+    return architecture in POOLING_ONLY_ARCHITECTURES

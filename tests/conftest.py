@@ -68,3 +68,36 @@ def qwen2_model_dir(tiny_model_dir: TinyModelFactory) -> Path:
 @pytest.fixture(scope="session")
 def qwen3_model_dir(tiny_model_dir: TinyModelFactory) -> Path:
     return tiny_model_dir("qwen3")
+
+
+# --- tiny encoders and bare decoder bodies (embedding models) ------------------------------------
+
+
+@pytest.fixture(scope="session")
+def tiny_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory:
+    """`tiny_encoder_dir(arch="bert", **kw)` -> dir of a tiny HF encoder with sentence-transformers
+    files (see ``build_tiny_encoder``); built once per session per arguments."""
+    from pagedllm.demo.tiny import build_tiny_encoder
+
+    root = tmp_path_factory.mktemp("tiny_encoders")
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "bert", **kw: Any) -> Path:
+        key = f"{arch}-{hashlib.sha1(repr(sorted(kw.items())).encode()).hexdigest()[:12]}"
+        if key not in built:
+            built[key] = build_tiny_encoder(root / key, arch, **kw)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def bert_model_dir(tiny_encoder_dir: TinyModelFactory) -> Path:
+    """A tiny ``BertModel`` with mean pooling and a Normalize module (like all-MiniLM-L6-v2)."""
+    return tiny_encoder_dir("bert", pooling="mean", normalize=True)
+
+
+@pytest.fixture(scope="session")
+def bare_qwen3_model_dir(tiny_model_dir: TinyModelFactory) -> Path:
+    """A tiny ``Qwen3Model``: the body alone, as Qwen3-Embedding-style checkpoints are saved."""
+    return tiny_model_dir("qwen3", bare=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm.config import choices
-from pagedllm.model_arch import SUPPORTED_ARCHITECTURES
+from pagedllm.model_arch import POOLING_ONLY_ARCHITECTURES, SUPPORTED_ARCHITECTURES
 
 
 def test_attention_backends_match_the_selector() -> None:
@@ -33,7 +33,10 @@ def test_supported_architectures_match_the_registry() -> None:
 
     assert set(registry.supported_architectures()) == set(SUPPORTED_ARCHITECTURES)
     for name in SUPPORTED_ARCHITECTURES:
-        assert registry.resolve_model_cls(name).__name__.endswith("ForCausalLM")
+        # Exactly the pooling-only architectures have no LM head to compute logits with.
+        model_cls = registry.resolve_model_cls(name)
+        has_lm_head = hasattr(model_cls, "compute_logits") and getattr(model_cls, "has_lm_head", True)
+        assert has_lm_head == (name not in POOLING_ONLY_ARCHITECTURES), name
 
 
 def test_structured_outputs_backends_are_known_to_the_manager() -> None:

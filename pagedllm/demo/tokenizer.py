@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import TYPE_CHECKING, Any
 
 from pagedllm.demo.corpus import corpus
 
@@ -90,6 +91,71 @@ def build_tokenizer(path: str | os.PathLike | None = None, *, vocab_size: int = 
         chat_template=CHAT_TEMPLATE,
         model_max_length=1 << 20,
         clean_up_tokenization_spaces=False,
+    )
+    if path is not None:
+        tok.save_pretrained(str(path))
+    return tok
+
+
+# Encoder special tokens, ids 0.. in this order: BERT's [PAD] is 0; RoBERTa's <pad> is 1, which
+# sets its position offset (pad_token_id + 1), as in the real checkpoints.
+ENCODER_SPECIAL_TOKENS = {
+    "bert": {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"},
+    "roberta": {"cls": "<s>", "pad": "<pad>", "sep": "</s>", "unk": "<unk>", "mask": "<mask>"},
+}
+
+
+@functools.lru_cache(maxsize=8)
+def _wordpiece_json(style: str, vocab_size: int) -> str:
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+    specials = ENCODER_SPECIAL_TOKENS[style]
+    normalizer, pre_tokenizer = normalizers.BertNormalizer(lowercase=True), pre_tokenizers.BertPreTokenizer()
+    vocab = _wordpiece_vocab(list(specials.values()), vocab_size, normalizer, pre_tokenizer)
+    tok = Tokenizer(models.WordPiece(vocab=vocab, unk_token=specials["unk"]))
+    tok.normalizer, tok.pre_tokenizer, tok.decoder = normalizer, pre_tokenizer, decoders.WordPiece()
+    tok.add_special_tokens(list(specials.values()))
+    cls, sep = specials["cls"], specials["sep"]
+    # [CLS] text [SEP] (RoBERTa: <s> text </s>), what sentence embedders are trained on.
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{cls} $A {sep}",
+        pair=f"{cls} $A {sep} $B:1 {sep}:1",
+        special_tokens=[(cls, vocab[cls]), (sep, vocab[sep])],
+    )
+    return tok.to_str()
+
+
+def _wordpiece_vocab(specials: list[str], vocab_size: int, normalizer: Any, pre_tokenizer: Any) -> dict[str, int]:
+    """specials, every corpus character alone and as ``##c``, then the most frequent words.
+
+    Built by hand rather than with ``WordPieceTrainer``, whose vocabulary changes from run to run
+    (hash-ordered ties); this one is the same every time, ids included."""
+    counts = Counter(
+        word for text in corpus() for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(text))
+    )
+    chars = sorted({c for word in counts for c in word})
+    pieces = [*specials, *chars, *(f"##{c}" for c in chars)]
+    words = sorted((w for w in counts if len(w) > 1), key=lambda w: (-counts[w], w))
+    pieces += words[: max(0, vocab_size - len(pieces))]
+    return {piece: i for i, piece in enumerate(pieces)}
+
+
+def build_encoder_tokenizer(
+    path: str | os.PathLike | None = None, *, style: str = "bert", vocab_size: int = 512
+) -> PreTrainedTokenizerFast:
+    """A deterministic WordPiece tokenizer for the tiny encoders (``vocab_size`` pieces, more if the
+    corpus has more characters than fit) that wraps each text in
+    [CLS] ... [SEP] (``style="roberta"``: <s> ... </s>, <pad> = 1). Saved to ``path`` if given."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    if style not in ENCODER_SPECIAL_TOKENS:
+        raise ValueError(f"unknown tokenizer style {style!r}; choose one of {sorted(ENCODER_SPECIAL_TOKENS)}")
+    specials = ENCODER_SPECIAL_TOKENS[style]
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_wordpiece_json(style, vocab_size)),
+        **{f"{role}_token": token for role, token in specials.items()},
+        model_max_length=1 << 20,
     )
     if path is not None:
         tok.save_pretrained(str(path))

@@ -160,6 +160,7 @@ class LlamaForCausalLM(nn.Module):
     # Our fused module -> the checkpoint modules packed into it, in shard order.
     packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
     attention_cls: type[LlamaAttention] = LlamaAttention
+    has_lm_head: bool = True
 
     def __init__(self, config: ModelArchConfig) -> None:
         super().__init__()
@@ -170,9 +171,10 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:
-            self.lm_head.tie_weights(self.model.embed_tokens)
+        if self.has_lm_head:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if config.tie_word_embeddings:
+                self.lm_head.tie_weights(self.model.embed_tokens)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
         """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] after the final norm."""
@@ -182,6 +184,30 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden_size] -> [N, vocab_size] float32; pass only the rows that need sampling."""
         return self.lm_head(hidden_states).float()
 
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        """Our name for a checkpoint tensor: a body saved by ``AutoModel`` (no ``model.`` prefix)
+        gets one, so both layouts load."""
+        return name if name.startswith(("model.", "lm_head.")) else f"model.{name}"
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load HF-named checkpoint tensors; returns our parameter names that were fully loaded."""
         return load_packed_weights(self, weights)
+
+
+class LlamaEmbeddingModel(LlamaForCausalLM):
+    """HF ``LlamaModel`` / ``MistralModel``, what ``AutoModel`` saves: the decoder body without an
+    LM head, whose final hidden states are pooled (embedding models such as Qwen3-Embedding)."""
+
+    has_lm_head = False
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        raise ValueError(
+            f"{self.config.architecture} has no LM head, so it cannot generate text; "
+            "serve it for embeddings (pooling) or use a *ForCausalLM checkpoint"
+        )
+
+    @staticmethod
+    def checkpoint_name(name: str) -> str | None:
+        # An LM head in the checkpoint is not needed to pool hidden states.
+        return None if name.startswith("lm_head.") else LlamaForCausalLM.checkpoint_name(name)

@@ -13,7 +13,7 @@ from pagedllm.config.choices import LOAD_FORMATS
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
 from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.registry import resolve_model_cls
-from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, safetensors_files
+from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, name_maps, safetensors_files
 
 _MAX_LISTED = 10
 
@@ -108,11 +108,11 @@ def check_loaded(model: nn.Module, loaded: set[str], checkpoint_names: Iterable[
     # named_parameters() dedups shared tensors, so a tied lm_head is not reported missing.
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     known = set(dict(model.named_parameters(remove_duplicate=False)))
-    mapping = getattr(model, "packed_modules_mapping", {})
+    mapping, rename = name_maps(model)
     unexpected = sorted(
         n
         for n in checkpoint_names
-        if (target := map_checkpoint_name(n, mapping)) is not None and target[0] not in known
+        if (target := map_checkpoint_name(n, mapping, rename)) is not None and target[0] not in known
     )
     if not missing and not unexpected:
         return
@@ -139,7 +139,8 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
     generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if param.dim() == 1:
-            param.fill_(1.0 if "norm" in name else 0.0)
+            # lower(): BERT's norms are named LayerNorm.
+            param.fill_(1.0 if "norm" in name.lower() else 0.0)
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(param.device).manual_seed(seed)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model_arch import ModelArchConfig
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedllm.models.llama import LlamaAttention, LlamaEmbeddingModel, LlamaForCausalLM
 
 
 class Qwen2Attention(LlamaAttention):
@@ -18,4 +18,10 @@ class Qwen2Attention(LlamaAttention):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen2Attention
+
+
+class Qwen2EmbeddingModel(LlamaEmbeddingModel):
+    """HF ``Qwen2Model``: the Qwen2 body without an LM head (for pooling)."""
+
     attention_cls = Qwen2Attention

@@ -11,7 +11,7 @@ import torch
 from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.rotary import RotaryEmbedding
 from pagedllm.model_arch import ModelArchConfig
-from pagedllm.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedllm.models.llama import LlamaAttention, LlamaEmbeddingModel, LlamaForCausalLM
 
 
 class Qwen3Attention(LlamaAttention):
@@ -28,4 +28,10 @@ class Qwen3Attention(LlamaAttention):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
+    attention_cls = Qwen3Attention
+
+
+class Qwen3EmbeddingModel(LlamaEmbeddingModel):
+    """HF ``Qwen3Model``: the Qwen3 body without an LM head (for pooling)."""
+
     attention_cls = Qwen3Attention

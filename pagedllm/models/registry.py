@@ -15,6 +15,15 @@ _MODELS: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": ("llama", "LlamaForCausalLM"),  # Llama + sliding window (from the config)
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
+    # Bare decoder bodies (AutoModel's layout, no LM head): for pooling only.
+    "LlamaModel": ("llama", "LlamaEmbeddingModel"),
+    "MistralModel": ("llama", "LlamaEmbeddingModel"),
+    "Qwen2Model": ("qwen2", "Qwen2EmbeddingModel"),
+    "Qwen3Model": ("qwen3", "Qwen3EmbeddingModel"),
+    # Encoders: one class; RoBERTa's position offset and token types come from the config.
+    "BertModel": ("bert", "BertModel"),
+    "RobertaModel": ("bert", "BertModel"),
+    "XLMRobertaModel": ("bert", "BertModel"),
 }
 
 

@@ -1,13 +1,15 @@
 """Checkpoint-name -> parameter mapping and the generic ``load_weights`` (nano-vllm style).
 
 A model declares ``packed_modules_mapping`` (our fused module -> the checkpoint modules it
-packs, in order); each parameter's ``weight_loader`` knows its own slice and shard.
+packs, in order); each parameter's ``weight_loader`` knows its own slice and shard. A model whose
+checkpoints name tensors differently (a ``bert.`` prefix, no ``model.`` prefix, heads it does
+not use) also defines ``checkpoint_name(name) -> our name | None`` (None: not needed, skip it).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -23,10 +25,27 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     copy_checked(param, loaded_weight)
 
 
-def map_checkpoint_name(name: str, packed_modules_mapping: dict[str, list[str]]) -> tuple[str, int | None] | None:
-    """``model.layers.0.self_attn.k_proj.weight`` -> (``...qkv_proj.weight``, 1); None if ignorable."""
+# A model's checkpoint_name: checkpoint name -> our parameter name, or None to skip the tensor.
+NameMap = Callable[[str], str | None]
+
+
+def name_maps(model: nn.Module) -> tuple[dict[str, list[str]], NameMap | None]:
+    """The model's ``packed_modules_mapping`` and its ``checkpoint_name`` (None if it has none)."""
+    return getattr(model, "packed_modules_mapping", {}), getattr(model, "checkpoint_name", None)
+
+
+def map_checkpoint_name(
+    name: str, packed_modules_mapping: dict[str, list[str]], rename: NameMap | None = None
+) -> tuple[str, int | None] | None:
+    """``model.layers.0.self_attn.k_proj.weight`` -> (``...qkv_proj.weight``, 1); None if ignorable.
+    ``rename`` (a model's ``checkpoint_name``) runs first."""
     if name.endswith(IGNORED_SUFFIXES):
         return None
+    if rename is not None:
+        renamed = rename(name)
+        if renamed is None:
+            return None
+        name = renamed
     for packed, parts in packed_modules_mapping.items():
         for shard_id, part in enumerate(parts):
             if f".{part}." in name:
@@ -37,12 +56,12 @@ def map_checkpoint_name(name: str, packed_modules_mapping: dict[str, list[str]])
 def load_packed_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
     """Feed checkpoint tensors to the parameters' loaders; unknown names are skipped (the loader
     reports them). Returns the parameter names whose every shard was loaded."""
-    mapping: dict[str, list[str]] = getattr(model, "packed_modules_mapping", {})
+    mapping, rename = name_maps(model)
     # remove_duplicate=False: a tied lm_head.weight in the checkpoint lands on the shared tensor.
     params = dict(model.named_parameters(remove_duplicate=False))
     shards_seen: dict[str, set[int | None]] = {}
     for name, tensor in weights:
-        target = map_checkpoint_name(name, mapping)
+        target = map_checkpoint_name(name, mapping, rename)
         if target is None or target[0] not in params:
             continue
         param_name, shard_id = target

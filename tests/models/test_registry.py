@@ -10,10 +10,17 @@ from pagedllm.models.registry import resolve_model_cls, supported_architectures
 
 def test_supported_architectures():
     assert supported_architectures() == [
+        "BertModel",
         "LlamaForCausalLM",
+        "LlamaModel",
         "MistralForCausalLM",
+        "MistralModel",
         "Qwen2ForCausalLM",
+        "Qwen2Model",
         "Qwen3ForCausalLM",
+        "Qwen3Model",
+        "RobertaModel",
+        "XLMRobertaModel",
     ]
 
 
@@ -24,6 +31,10 @@ def test_supported_architectures():
         ("MistralForCausalLM", "pagedllm.models.llama", "LlamaForCausalLM"),
         ("Qwen2ForCausalLM", "pagedllm.models.qwen2", "Qwen2ForCausalLM"),
         ("Qwen3ForCausalLM", "pagedllm.models.qwen3", "Qwen3ForCausalLM"),
+        ("LlamaModel", "pagedllm.models.llama", "LlamaEmbeddingModel"),
+        ("MistralModel", "pagedllm.models.llama", "LlamaEmbeddingModel"),
+        ("Qwen2Model", "pagedllm.models.qwen2", "Qwen2EmbeddingModel"),
+        ("Qwen3Model", "pagedllm.models.qwen3", "Qwen3EmbeddingModel"),
     ],
 )
 def test_resolve(architecture, module, cls):
@@ -37,11 +48,19 @@ def test_resolve(architecture, module, cls):
     }
 
 
+@pytest.mark.parametrize("architecture", ["BertModel", "RobertaModel", "XLMRobertaModel"])
+def test_resolve_encoders(architecture):
+    model_cls = resolve_model_cls(architecture)
+    assert (model_cls.__module__, model_cls.__name__) == ("pagedllm.models.bert", "BertModel")
+    assert model_cls.packed_modules_mapping == {"qkv_proj": ["query", "key", "value"]}
+    assert not hasattr(model_cls, "compute_logits")
+
+
 def test_unknown_architecture_lists_supported():
     with pytest.raises(
         ValueError,
-        match="architecture GPT2LMHeadModel is not supported; supported: LlamaForCausalLM, "
-        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM",
+        match="architecture GPT2LMHeadModel is not supported; supported: BertModel, LlamaForCausalLM, "
+        "LlamaModel, MistralForCausalLM",
     ):
         resolve_model_cls("GPT2LMHeadModel")
 
