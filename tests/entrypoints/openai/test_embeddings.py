@@ -134,3 +134,19 @@ def test_nothing_is_left_running(embed_server):
     }
     assert values == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0}
     assert "vllm:prompt_tokens_total" in metrics
+
+
+def test_a_bert_model_serves_embeddings_as_sentence_transformers_computes_them(bert_model_dir):
+    """`pagedllm serve` on an all-MiniLM-style encoder: the pooling runner by default, mean pooling
+    and normalization from its sentence-transformers files."""
+    from sentence_transformers import SentenceTransformer
+
+    expected = SentenceTransformer(str(bert_model_dir), device="cpu").encode(TEXTS, convert_to_numpy=True)
+    with RemoteServer(bert_model_dir, ["--served-model-name", "minilm"]) as srv:
+        response = srv.openai_client().embeddings.create(model="minilm", input=TEXTS)
+        got = np.array([d.embedding for d in response.data])
+        np.testing.assert_allclose(got, expected, atol=2e-5)
+        chat = httpx.post(
+            srv.url_for("v1", "chat", "completions"), json={"messages": [{"role": "user", "content": "x"}]}
+        )
+        assert chat.status_code == 400 and "/v1/embeddings" in chat.json()["error"]["message"]
