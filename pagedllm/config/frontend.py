@@ -20,8 +20,8 @@ class FrontendArgs:
     port: int = option(8000, "port to listen on")
     api_key: list[str] | None = option(
         None,
-        "require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (repeatable; /health, "
-        "/metrics and /version stay open)",
+        "require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and the API docs (/docs, "
+        "/redoc, /openapi.json) (repeatable; /health, /metrics and /version stay open)",
         default_help="no key required",
         metavar="KEY",
         action="append",
@@ -78,4 +78,29 @@ class FrontendArgs:
         1024,
         "admit at most max_num_seqs + this many generation requests at once; beyond that new ones get 503 "
         "with a Retry-After header instead of queueing without bound",
+    )
+    max_prompts_per_request: int = option(
+        256,
+        "most prompts one /v1/completions request may carry (a list of strings or of token lists); more is "
+        "a 400. Each prompt is an engine request, so the limit is also held to half of max_num_seqs + "
+        "--max-waiting-requests: one client's batch never fills the admission limit alone",
+        metavar="N",
+    )
+    max_request_body_bytes: int = option(
+        32 * 1024 * 1024,
+        "largest request body accepted, checked from Content-Length and while the body streams in; "
+        "a larger one is refused with 413",
+        metavar="BYTES",
+    )
+    timeout_keep_alive: int = option(
+        5, "close an idle keep-alive connection after this many seconds (uvicorn's)", metavar="SECONDS"
+    )
+    header_read_timeout: float = option(
+        20.0,
+        "close a connection whose request line and headers have not all arrived this many seconds after "
+        "the connection opened or its previous response (slow-header clients hold no connection forever)",
+        metavar="SECONDS",
+    )
+    disable_fastapi_docs: bool = option(
+        False, "do not serve /docs, /redoc and /openapi.json (with --api-key they need the key)"
     )

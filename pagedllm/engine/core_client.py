@@ -8,7 +8,9 @@ import itertools
 import logging
 import multiprocessing
 import os
+import shutil
 import tempfile
+import time
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.core_proc import run_engine_core
@@ -32,6 +35,7 @@ from pagedllm.structured_output.compiler import GrammarTimeoutError
 logger = logging.getLogger(__name__)
 
 _START_TIMEOUT_S = 600
+_CONNECT_TIMEOUT_S = 30  # after it reported ready, the engine's I/O threads connect at once
 
 
 # As many as the engine's compiler keeps compiled (structured_output/compiler.py): an accepted
@@ -47,13 +51,16 @@ class AsyncMPClient:
     """Runs ``EngineCoreProc`` in a child process and exchanges msgspec messages with it."""
 
     def __init__(self, config: EngineConfig) -> None:
-        base = os.path.join(tempfile.gettempdir(), f"pagedllm-{uuid.uuid4().hex[:12]}")
-        self.input_addr, self.output_addr = f"ipc://{base}-in", f"ipc://{base}-out"
+        # A private directory (mode 0700: no other user can connect), emptied and removed as soon
+        # as the engine has connected (``_remove_ipc_dir``): a SIGKILLed server leaves no socket files.
+        self.ipc_dir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
+        self.input_addr, self.output_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.ctx = zmq.asyncio.Context()
         self.input = self.ctx.socket(zmq.PUSH)
         self.input.bind(self.input_addr)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(self.output_addr)
+        watchers = [_AcceptWatcher(self.ctx, sock) for sock in (self.input, self.output)]
         self.encoder = msgspec.msgpack.Encoder()
         self.decoders: dict[EngineCoreOutputType, msgspec.msgpack.Decoder[Any]] = {
             EngineCoreOutputType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
@@ -64,7 +71,20 @@ class AsyncMPClient:
         # second check of the same request (the handler's, then add_request's), costs no round trip.
         self._accepted_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.capacity: dict = {}
-        self.proc = self._start_process(config)
+        try:
+            self.proc = self._start_process(config)
+            if all(w.wait_accepted(time.monotonic() + _CONNECT_TIMEOUT_S) for w in watchers):
+                self._remove_ipc_dir()  # connected: the paths are needed no more
+            else:
+                logger.warning(
+                    "the engine did not connect within %g s; its sockets stay in %s", _CONNECT_TIMEOUT_S, self.ipc_dir
+                )
+        except BaseException:
+            self._remove_ipc_dir()
+            raise
+        finally:
+            for watcher in watchers:
+                watcher.close()
         self._call_ids = itertools.count()
         self._pending_calls: dict[int, asyncio.Future] = {}
 
@@ -179,6 +199,30 @@ class AsyncMPClient:
             self.proc.kill()
             self.proc.join(timeout)
         self.ctx.destroy(linger=0)
-        for addr in (self.input_addr, self.output_addr):
-            with contextlib.suppress(OSError):
-                os.unlink(addr[len("ipc://") :])
+        self._remove_ipc_dir()
+
+    def _remove_ipc_dir(self) -> None:
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class _AcceptWatcher:
+    """Tells when a bound socket has accepted a connection (a ZMQ socket monitor, read through a
+    blocking shadow of the asyncio context, since the client starts before any event loop runs)."""
+
+    def __init__(self, ctx: zmq.asyncio.Context, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
+        addr = f"inproc://pagedllm-monitor-{uuid.uuid4().hex}"
+        sock.monitor(addr, zmq.EVENT_ACCEPTED)
+        self.reader: zmq.Socket = zmq.Context.shadow(ctx.underlying).socket(zmq.PAIR)
+        self.reader.connect(addr)  # before the engine starts: an unread event would be dropped
+
+    def wait_accepted(self, deadline: float) -> bool:
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            if self.reader.poll(left_ms) and recv_monitor_message(self.reader)["event"] == zmq.EVENT_ACCEPTED:
+                return True
+        return False
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.reader.close(linger=0)

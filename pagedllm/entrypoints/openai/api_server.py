@@ -65,9 +65,17 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     state = ServerState(
         engine, options, served, _metrics_registry(engine, served.names[0]), _load_handlers(engine, options, served)
     )
-    app = FastAPI(title="pagedllm", version=pagedllm.__version__, lifespan=_lifespan(state))
+    docs = not options.disable_fastapi_docs
+    app = FastAPI(
+        title="pagedllm",
+        version=pagedllm.__version__,
+        lifespan=_lifespan(state),
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.server_state = state
-    max_load = engine.config.scheduler_config.max_num_seqs + options.max_waiting_requests
+    max_load = options.admission_limit(engine.config.scheduler_config.max_num_seqs)
     app.add_middleware(
         ServerGate,
         api_keys=options.api_keys,
@@ -107,7 +115,9 @@ def _load_handlers(engine: EngineClient, options: ServerOptions, served: ServedM
     )
     return {
         "chat": chat,
-        "completion": OpenAIServingCompletion(engine, served, as_ids),
+        "completion": OpenAIServingCompletion(
+            engine, served, as_ids, options.prompt_limit(engine.config.scheduler_config.max_num_seqs)
+        ),
         "responses": OpenAIServingResponses(chat),
     }
 

@@ -13,7 +13,17 @@ from typing import Any
 
 from pagedllm.entrypoints.openai.errors import error_response
 
-PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations")
+# The API docs too: the schema lists every route and field of this build.
+PROTECTED_PREFIXES = (
+    "/v1/",
+    "/tokenize",
+    "/detokenize",
+    "/tokenizer_info",
+    "/invocations",
+    "/docs",
+    "/redoc",
+    "/openapi",
+)
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations")
 RETRY_AFTER_S = 1
 

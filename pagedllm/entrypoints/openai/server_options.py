@@ -3,11 +3,30 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.auth import load_api_keys
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may ask of the server: prompts and bytes per request, and how long a
+    connection may sit idle or half-sent (all > 0)."""
+
+    max_prompts_per_request: int = 256
+    max_request_body_bytes: int = 32 * 1024 * 1024
+    timeout_keep_alive: int = 5
+    header_read_timeout: float = 20.0
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> HttpLimits:
+        values = {f: getattr(args, f, getattr(cls, f)) for f in cls.__dataclass_fields__}
+        for name, value in values.items():
+            if not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {value}")
+        return cls(**values)
 
 
 @dataclass
@@ -23,6 +42,25 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
+    disable_fastapi_docs: bool = False
+    limits: HttpLimits = field(default_factory=HttpLimits)
+
+    def admission_limit(self, max_num_seqs: int) -> int:
+        """Generation requests admitted at once (auth.ServerGate); more get 503."""
+        return max_num_seqs + self.max_waiting_requests
+
+    def prompt_limit(self, max_num_seqs: int) -> tuple[int, str]:
+        """The most prompts one completion request may carry, and why: --max-prompts-per-request,
+        held to half the admission limit, since each prompt is an engine request and the gate
+        counts them: one client's allowed batch must leave room for the others."""
+        flag = self.limits.max_prompts_per_request
+        admitted = self.admission_limit(max_num_seqs)
+        if flag <= max(1, admitted // 2):
+            return flag, f"--max-prompts-per-request {flag}"
+        return max(1, admitted // 2), (
+            f"--max-prompts-per-request {flag}, held to half the {admitted} requests this server admits "
+            "at once (--max-num-seqs + --max-waiting-requests)"
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -38,6 +76,7 @@ class ServerOptions:
             waiting,
             _tool_call_parser(args),
             **{name: bool(getattr(args, name, False)) for name in _SWITCHES},
+            limits=HttpLimits.from_args(args),
         )
 
 
@@ -46,6 +85,7 @@ _SWITCHES = (
     "return_tokens_as_token_ids",
     "enable_tokenizer_info_endpoint",
     "enable_server_load_tracking",
+    "disable_fastapi_docs",
 )
 
 

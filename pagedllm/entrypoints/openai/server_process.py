@@ -53,6 +53,8 @@ async def _serve(
 ) -> int:
     import uvicorn
 
+    from pagedllm.entrypoints.openai.http_protocol import h11_protocol
+
     try:
         engine = _start_engine(config, options, phases)
     except (ValueError, RuntimeError, OSError) as exc:
@@ -74,6 +76,8 @@ async def _serve(
                 log_level=args.uvicorn_log_level,
                 access_log=not args.disable_uvicorn_access_log,
                 timeout_graceful_shutdown=args.shutdown_timeout,
+                timeout_keep_alive=options.limits.timeout_keep_alive,
+                http=h11_protocol(options.limits.header_read_timeout),
                 lifespan="on",
             )
         )

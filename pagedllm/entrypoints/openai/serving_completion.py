@@ -8,8 +8,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.errors import value_error_response
+from pagedllm.entrypoints.openai.engine_client import EngineClient
+from pagedllm.entrypoints.openai.errors import error_response, value_error_response
 from pagedllm.entrypoints.openai.protocol import CompletionRequest
+from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.serving_common import (
     OpenAIServing,
     OutputStream,
@@ -28,8 +30,25 @@ class OpenAIServingCompletion(OpenAIServing):
     prompt_param = "prompt"
     id_prefix = "cmpl"
 
+    def __init__(
+        self,
+        engine: EngineClient,
+        models: ServedModels,
+        return_tokens_as_token_ids: bool = False,
+        prompt_limit: tuple[int, str] = (256, "the default"),
+    ) -> None:
+        super().__init__(engine, models, return_tokens_as_token_ids)
+        self.max_prompts, self.max_prompts_reason = prompt_limit  # ServerOptions.prompt_limit
+
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         request.model = self.models.check(request.model)
+        if len(request.prompts()) > self.max_prompts:
+            return error_response(
+                f"prompt holds {len(request.prompts())} prompts; this server takes at most {self.max_prompts} in "
+                f"one request ({self.max_prompts_reason}): split the batch into several requests",
+                400,
+                "prompt",
+            )
         try:
             params = request.to_sampling_params()
             prompts = [self._engine_prompt(p, request) for p in request.prompts()]

@@ -188,3 +188,25 @@ def test_watchdog_ignores_an_engine_stopped_on_purpose(app_engine):
     state.stop_engine()  # what the lifespan does on SIGTERM: is_running goes False
     asyncio.run(asyncio.wait_for(server_process.watch_engine(state, server), 2))
     assert not state.engine_dead and state.exit_code == 0 and not server.should_exit
+
+
+def test_docs_can_be_disabled(tokenizer):
+    for disabled, status in ((False, 200), (True, 404)):
+        app = build_app(RecordingEngine(tokenizer), Namespace(served_model_name=["m"], disable_fastapi_docs=disabled))
+        with TestClient(app, raise_server_exceptions=False) as client:
+            for path in ("/docs", "/redoc", "/openapi.json"):
+                assert client.get(path).status_code == status, (disabled, path)
+
+
+def test_a_batch_is_held_to_half_the_admission_limit(tokenizer):
+    """Each prompt is an engine request and the gate counts them: a batch the server allows must
+    leave the other half of the admission limit (here 4 running + 4 waiting) to other clients."""
+    engine = RecordingEngine(tokenizer)
+    app = build_app(engine, Namespace(served_model_name=["m"], max_waiting_requests=4, max_prompts_per_request=100))
+    with TestClient(app, raise_server_exceptions=False) as client:
+        resp = client.post("/v1/completions", json={"prompt": ["a"] * 5})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt"
+        assert "at most 4" in resp.json()["error"]["message"] and "half" in resp.json()["error"]["message"]
+        engine.get_num_unfinished_requests = lambda: 4  # an allowed batch of 4 is in the engine
+        assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
+        assert client.post("/v1/completions", json={"prompt": ["a"] * 4}).status_code == 200

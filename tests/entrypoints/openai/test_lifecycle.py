@@ -33,6 +33,11 @@ SERVE_FLAGS = [
     "--disable-uvicorn-access-log",
     "--shutdown-timeout",
     "--max-waiting-requests",
+    "--max-prompts-per-request",
+    "--max-request-body-bytes",
+    "--timeout-keep-alive",
+    "--header-read-timeout",
+    "--disable-fastapi-docs",
     "--max-model-len",
     "--max-num-seqs",
     "--max-num-batched-tokens",
@@ -203,5 +208,23 @@ def test_engine_death_fails_requests_and_exits_nonzero(long_model_dir):
         assert srv.proc.wait(10) == 1
         assert "engine core" in srv.log()
         assert_all_gone(children)
+    finally:
+        srv.stop()
+
+
+def test_sigkill_leaves_no_socket_files(server_model_dir, tmp_path):
+    """The engine's ZMQ ipc:// sockets live in a private temp directory that is removed once the
+    engine has connected: a server SIGKILLed (no clean-up runs) leaves no socket files behind."""
+    srv = RemoteServer(server_model_dir, ["--served-model-name", "tiny"], env={"TMPDIR": str(tmp_path)})
+    try:
+        children = descendants(srv.proc.pid)
+        engine_pid(srv.proc.pid)
+        client = srv.openai_client()
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=1).choices  # the sockets work
+        srv.proc.kill()
+        assert srv.proc.wait(10) == -signal.SIGKILL
+        assert_all_gone(children)  # the engine dies with its parent (PR_SET_PDEATHSIG)
+        assert not [p for p in tmp_path.rglob("*") if p.is_socket()]
+        assert not list(tmp_path.glob("pagedllm-*"))
     finally:
         srv.stop()
