@@ -108,7 +108,11 @@ def _metrics_registry(engine: EngineClient, model_name: str) -> Any:
 def _load_handlers(engine: EngineClient, options: ServerOptions, served: ServedModels) -> dict[str, Any]:
     """The endpoint handlers the generation routes delegate to (a kind missing here answers 501)."""
     if getattr(engine.config.model_config, "runner", "generate") == "pooling":  # stand-in engines: generate
-        return {"embedding": OpenAIServingEmbedding(engine, served), "score": OpenAIServingScore(engine, served)}
+        limit = options.prompt_limit(engine.config.scheduler_config.max_num_seqs)
+        return {
+            "embedding": OpenAIServingEmbedding(engine, served, prompt_limit=limit),
+            "score": OpenAIServingScore(engine, served, prompt_limit=limit),
+        }
     as_ids = options.return_tokens_as_token_ids
     chat = OpenAIServingChat(
         engine, served, options.chat_template, options.tool_call_parser, as_ids, options.trust_request_chat_template

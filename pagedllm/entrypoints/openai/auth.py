@@ -16,6 +16,9 @@ from pagedllm.entrypoints.openai.errors import error_response
 # The API docs too: the schema lists every route and field of this build.
 PROTECTED_PREFIXES = (
     "/v1/",
+    "/v2/",
+    "/score",
+    "/rerank",
     "/tokenize",
     "/detokenize",
     "/tokenizer_info",
@@ -24,7 +27,19 @@ PROTECTED_PREFIXES = (
     "/redoc",
     "/openapi",
 )
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/invocations")
+# Requests that run the model: admitted under the load limit (embeddings and scores too).
+GENERATION_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/responses",
+    "/invocations",
+    "/v1/embeddings",
+    "/score",
+    "/v1/score",
+    "/rerank",
+    "/v1/rerank",
+    "/v2/rerank",
+)
 RETRY_AFTER_S = 1
 
 

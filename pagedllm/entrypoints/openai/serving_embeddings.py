@@ -12,8 +12,10 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from pagedllm.entrypoints.openai.errors import server_error_response
+from pagedllm.entrypoints.openai.engine_client import EngineClient
+from pagedllm.entrypoints.openai.errors import RequestParamError, server_error_response
 from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
+from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.serving_common import (
     ClientDisconnected,
     OpenAIServing,
@@ -29,9 +31,25 @@ class OpenAIServingEmbedding(OpenAIServing):
     prompt_param = "input"
     id_prefix = "embd"
 
+    def __init__(
+        self, engine: EngineClient, models: ServedModels, prompt_limit: tuple[int, str] = (256, "the default")
+    ) -> None:
+        super().__init__(engine, models)
+        self.max_prompts, self.max_prompts_reason = prompt_limit  # ServerOptions.prompt_limit
+
+    def check_count(self, count: int, what: str, param: str) -> None:
+        """Each input is an engine request: a request may hold no more than the server's limit."""
+        if count > self.max_prompts:
+            raise RequestParamError(
+                f"{param} holds {count} {what}; this server takes at most {self.max_prompts} in one request "
+                f"({self.max_prompts_reason}): split them into several requests",
+                param,
+            )
+
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         request.model = self.models.check(request.model)
         try:
+            self.check_count(len(request.inputs()), "inputs", "input")
             params = request.to_pooling_params()
             prompts = [self._engine_prompt(p, request) for p in request.inputs()]
             outputs = await until_disconnected(self._embed_all(prompts, params, request.priority), raw_request)

@@ -73,6 +73,7 @@ def test_float_base64_token_ids_and_dimensions(embed_server, expected):
         ({"input": "x", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
         ({"input": "word " * 600}, "input", "max_model_len) is 512"),
         ({"input": ["x"] * 2049}, "input", "at most 2048"),
+        ({"input": ["x"] * 300}, "input", "at most 256 in one request"),
         ({"input": [[1, 2, 10**9]]}, "input", "outside the vocabulary"),
         ({"input": "x", "encoding_format": "hex"}, "encoding_format", "'float' or 'base64'"),
         ({"messages": [{"role": "user", "content": "x"}]}, "messages", "pass the text as input"),
@@ -142,8 +143,10 @@ def test_a_bert_model_serves_embeddings_as_sentence_transformers_computes_them(b
     from sentence_transformers import SentenceTransformer
 
     expected = SentenceTransformer(str(bert_model_dir), device="cpu").encode(TEXTS, convert_to_numpy=True)
-    with RemoteServer(bert_model_dir, ["--served-model-name", "minilm"]) as srv:
-        response = srv.openai_client().embeddings.create(model="minilm", input=TEXTS)
+    with RemoteServer(bert_model_dir, ["--served-model-name", "minilm", "--api-key", "sk-t"]) as srv:
+        for path in (("v1", "embeddings"), ("score",), ("rerank",), ("v2", "rerank")):  # all behind the key
+            assert httpx.post(srv.url_for(*path), json={"input": "x"}).status_code == 401
+        response = srv.openai_client(api_key="sk-t").embeddings.create(model="minilm", input=TEXTS)
         got = np.array([d.embedding for d in response.data])
         np.testing.assert_allclose(got, expected, atol=2e-5)
         chat = httpx.post(
