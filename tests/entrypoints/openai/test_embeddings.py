@@ -150,6 +150,8 @@ def test_a_bert_model_serves_embeddings_as_sentence_transformers_computes_them(b
         got = np.array([d.embedding for d in response.data])
         np.testing.assert_allclose(got, expected, atol=2e-5)
         chat = httpx.post(
-            srv.url_for("v1", "chat", "completions"), json={"messages": [{"role": "user", "content": "x"}]}
+            srv.url_for("v1", "chat", "completions"),
+            json={"messages": [{"role": "user", "content": "x"}]},
+            headers={"Authorization": "Bearer sk-t"},
         )
         assert chat.status_code == 400 and "/v1/embeddings" in chat.json()["error"]["message"]
