@@ -11,7 +11,15 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pagedllm.gguf_config import gguf_arch_config, is_gguf_file
 from pagedllm.model_arch import SUPPORTED_ROPE_TYPES, ModelArchConfig, RopeConfig
+
+
+def load_arch_config(model_path: str | Path) -> ModelArchConfig:
+    """The architecture of a checkpoint: a GGUF file's metadata, else a directory's ``config.json``."""
+    if is_gguf_file(model_path):
+        return gguf_arch_config(model_path)
+    return normalize_hf_config(load_hf_config(model_path))
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
