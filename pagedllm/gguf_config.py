@@ -1,15 +1,19 @@
 """The boundary to GGUF checkpoints (llama.cpp's single-file format): the file's metadata
 normalised into our own frozen :class:`ModelArchConfig`.
 
-Torch-free; the ``gguf`` package (numpy) is imported only when a file is read. The tensors
-themselves are read by ``models/gguf_loader.py``.
+Torch-free: the header is parsed by ``gguf_metadata.py`` (struct only); the ``gguf`` package
+(numpy) is imported only to check tensor sizes and to open the tensors, which
+``models/gguf_loader.py`` reads.
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pagedllm.gguf_metadata import ArrayLen, GGUFMetadata, read_gguf_metadata
 from pagedllm.model_arch import ModelArchConfig, RopeConfig
 
 if TYPE_CHECKING:
@@ -52,35 +56,61 @@ def resolve_checkpoint(model: str, load_format: str) -> str:
 
 
 def open_gguf(path: str | Path) -> GGUFReader:
-    """The memory-mapped reader, or a ValueError naming the file when it is not a readable GGUF."""
+    """The memory-mapped reader of the tensors, or a ValueError naming the file when it is not a readable GGUF."""
     from gguf import GGUFReader
 
     try:
         return GGUFReader(path)
     except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
-        raise ValueError(
-            f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
-            "it may be truncated or corrupt: download or convert it again"
-        ) from exc
+        raise _unreadable(path, exc) from exc
+
+
+def read_metadata(path: str | Path) -> GGUFMetadata:
+    """The file's header (metadata and tensor table), checked to hold every tensor's bytes."""
+    try:
+        meta = read_gguf_metadata(path)
+    except (ValueError, struct.error, OSError) as exc:
+        raise _unreadable(path, exc) from exc
+    _check_complete(meta, path)
+    return meta
+
+
+def _unreadable(path: str | Path, exc: Exception) -> ValueError:
+    return ValueError(
+        f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}); "
+        "it may be truncated or corrupt: download or convert it again"
+    )
+
+
+def _check_complete(meta: GGUFMetadata, path: str | Path) -> None:
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    for name, info in meta.tensors.items():
+        try:
+            block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(info.ggml_type)]
+        except ValueError:
+            raise ValueError(
+                f"{path}: tensor {name!r} has GGML type id {info.ggml_type}, which the gguf package does not know; "
+                "upgrade gguf (pip install -U gguf) or convert the model to a common type (Q8_0, Q4_K, F16)"
+            ) from None
+        end = meta.data_offset + info.offset + math.prod(info.shape) // block * nbytes
+        if end > meta.file_size:
+            raise _unreadable(path, ValueError(f"tensor {name!r} ends at byte {end}, the file has {meta.file_size}"))
 
 
 def gguf_arch_config(path: str | Path) -> ModelArchConfig:
-    """The architecture of the GGUF file at ``path``."""
-    return arch_config_from_reader(open_gguf(path), path)
-
-
-def arch_config_from_reader(reader: GGUFReader, path: str | Path) -> ModelArchConfig:
-    meta = _Metadata(reader, path)
+    """The architecture of the GGUF file at ``path`` (its header only: the tensors are not read)."""
+    meta = _Metadata(read_metadata(path), path)
     arch = meta.architecture()
-    tensor_names = {t.name for t in reader.tensors}
-    _check_rope_freqs(tensor_names, path)
+    tensors = meta.header.tensors
+    _check_rope_freqs(set(tensors), path)
     heads = meta.integer(f"{arch}.attention.head_count")
     hidden = meta.integer(f"{arch}.embedding_length")
     layers = meta.integer(f"{arch}.block_count")
     return ModelArchConfig(
         architecture=GGUF_ARCHITECTURES[arch],
         model_type=arch,
-        vocab_size=_vocab_size(reader, meta, arch),
+        vocab_size=_vocab_size(meta, arch),
         hidden_size=hidden,
         intermediate_size=meta.integer(f"{arch}.feed_forward_length"),
         num_hidden_layers=layers,
@@ -90,8 +120,8 @@ def arch_config_from_reader(reader: GGUFReader, path: str | Path) -> ModelArchCo
         max_position_embeddings=meta.integer(f"{arch}.context_length", 2048),
         rms_norm_eps=_float32_repr(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6)),
         rope=_rope_config(meta, arch),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
         sliding_windows=(None,) * layers,
         bos_token_id=meta.optional_int("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(meta),
@@ -103,18 +133,17 @@ def arch_config_from_reader(reader: GGUFReader, path: str | Path) -> ModelArchCo
 class _Metadata:
     """Typed access to a reader's key-value fields, with errors that name the file and key."""
 
-    def __init__(self, reader: GGUFReader, path: str | Path) -> None:
-        self.reader, self.path = reader, path
+    def __init__(self, header: GGUFMetadata, path: str | Path) -> None:
+        self.header, self.path = header, path
 
     def get(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.header.fields.get(key, default)
 
     def integer(self, key: str, default: int | None = None) -> int:
         value = self.get(key, default)
         if value is None:
             raise ValueError(f"{self.path} has no {key!r} in its metadata; it is not a complete GGUF model file")
-        if not isinstance(value, int):
+        if not isinstance(value, int) or isinstance(value, ArrayLen):
             raise ValueError(f"{self.path}: {key!r} is {value!r}; pagedllm reads only one value for every layer")
         return value
 
@@ -132,10 +161,10 @@ class _Metadata:
         return str(arch)
 
 
-def _vocab_size(reader: GGUFReader, meta: _Metadata, arch: str) -> int:
-    for tensor in reader.tensors:
-        if tensor.name == "token_embd.weight":
-            return int(tensor.shape[-1])  # GGUF shapes are [n_embd, n_vocab] (innermost first)
+def _vocab_size(meta: _Metadata, arch: str) -> int:
+    embedding = meta.header.tensors.get("token_embd.weight")
+    if embedding is not None:
+        return embedding.shape[-1]  # GGUF shapes are [n_embd, n_vocab] (innermost first)
     return meta.integer(f"{arch}.vocab_size")
 
 

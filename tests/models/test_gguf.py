@@ -123,6 +123,22 @@ def test_load_format_gguf_takes_a_directory_with_one_file(ggufs: dict[str, Path]
         resolve_checkpoint(str(ggufs["F32"]), "safetensors")
 
 
+def test_header_parser_agrees_with_gguf_reader(ggufs: dict[str, Path]) -> None:
+    from pagedllm.gguf_metadata import ArrayLen, read_gguf_metadata
+
+    for path in [ggufs["Q4_0"], *([SMOLLM2] if SMOLLM2 is not None else [])]:
+        ours, reader = read_gguf_metadata(path), gguf.GGUFReader(path)
+        for key, field in reader.fields.items():
+            want = field.contents()
+            got = ours.fields.get(key)
+            assert got == (len(want) if isinstance(got, ArrayLen) else want) or key.startswith("GGUF."), key
+        assert list(ours.tensors) == [t.name for t in reader.tensors]
+        for t in reader.tensors:
+            info = ours.tensors[t.name]
+            assert (info.shape, info.ggml_type) == (tuple(int(d) for d in t.shape), int(t.tensor_type)), t.name
+            assert ours.data_offset + info.offset == t.data_offset, t.name
+
+
 def test_tensor_names_map_to_hugging_face() -> None:
     assert hf_tensor_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
     assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
