@@ -139,6 +139,28 @@ def test_header_parser_agrees_with_gguf_reader(ggufs: dict[str, Path]) -> None:
             assert ours.data_offset + info.offset == t.data_offset, t.name
 
 
+def test_gguf_tokenizer_is_converted_once_then_cached(
+    ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pagedllm.engine import tokenizer as tokenizer_module
+
+    monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    calls: list[dict[str, Any]] = []
+    real = tokenizer_module._from_pretrained
+
+    def recording(where: str | Path, **kw: Any) -> Any:
+        calls.append(kw)
+        return real(where, **kw)
+
+    monkeypatch.setattr(tokenizer_module, "_from_pretrained", recording)
+    first = tokenizer_module.load_tokenizer(str(ggufs["F32"]))
+    second = tokenizer_module.load_tokenizer(str(ggufs["F32"]))
+    assert calls == [{"gguf_file": ggufs["F32"].name}, {}]  # converted from the file, then read from the cache
+    assert tokenizer_module.gguf_tokenizer_cache(ggufs["F32"]).parent == tmp_path / "gguf-tokenizers"
+    text = "hello t5 world"
+    assert first(text)["input_ids"] == second(text)["input_ids"] and len(first) == len(second)
+
+
 def test_tensor_names_map_to_hugging_face() -> None:
     assert hf_tensor_name("blk.3.attn_q.weight") == "model.layers.3.self_attn.q_proj.weight"
     assert hf_tensor_name("blk.0.ffn_norm.weight") == "model.layers.0.post_attention_layernorm.weight"
