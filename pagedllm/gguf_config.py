@@ -2,8 +2,7 @@
 normalised into our own frozen :class:`ModelArchConfig`.
 
 Torch-free: the header is parsed by ``gguf_metadata.py`` (struct only); the ``gguf`` package
-(numpy) is imported only to check tensor sizes and to open the tensors, which
-``models/gguf_loader.py`` reads.
+(numpy) is imported only to check tensor sizes. ``models/gguf_loader.py`` reads the tensors.
 """
 
 from __future__ import annotations
@@ -11,13 +10,10 @@ from __future__ import annotations
 import math
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pagedllm.gguf_metadata import ArrayLen, GGUFMetadata, read_gguf_metadata
 from pagedllm.model_arch import ModelArchConfig, RopeConfig
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader
 
 GGUF_SUFFIX = ".gguf"
 # general.architecture -> the Hugging Face class name our registry builds.
@@ -26,7 +22,7 @@ _ROPE_SCALING_TYPES = {"none": "default", "linear": "linear", "yarn": "yarn"}
 
 
 def is_gguf_file(path: str | Path) -> bool:
-    """A path that names a GGUF file (by its suffix; the reader checks the magic)."""
+    """A path that names a GGUF file (by its suffix; reading its header checks the magic)."""
     return Path(path).suffix.lower() == GGUF_SUFFIX and Path(path).is_file()
 
 
@@ -53,16 +49,6 @@ def resolve_checkpoint(model: str, load_format: str) -> str:
     if load_format == "safetensors" and is_gguf_file(model):
         raise ValueError(f"{model} is a GGUF file, not safetensors; pass load_format 'auto' or 'gguf'")
     return model
-
-
-def open_gguf(path: str | Path) -> GGUFReader:
-    """The memory-mapped reader of the tensors, or a ValueError naming the file when it is not a readable GGUF."""
-    from gguf import GGUFReader
-
-    try:
-        return GGUFReader(path)
-    except Exception as exc:  # the reader raises ValueError, IndexError, struct errors... on bad bytes
-        raise _unreadable(path, exc) from exc
 
 
 def read_metadata(path: str | Path) -> GGUFMetadata:
@@ -131,7 +117,7 @@ def gguf_arch_config(path: str | Path) -> ModelArchConfig:
 
 
 class _Metadata:
-    """Typed access to a reader's key-value fields, with errors that name the file and key."""
+    """Typed access to the header's key-value fields, with errors that name the file and key."""
 
     def __init__(self, header: GGUFMetadata, path: str | Path) -> None:
         self.header, self.path = header, path

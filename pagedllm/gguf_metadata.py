@@ -2,8 +2,9 @@
 metadata and the tensor table, without decoding the tokenizer's arrays.
 
 ``gguf.GGUFReader`` builds a numpy view for every element of every array (SmolLM2's 49k tokens
-and 49k merges take it 2-7 s); the config needs a dozen scalars, so it reads them here. The
-tensors themselves are read by ``gguf.GGUFReader`` in ``models/gguf_loader.py``.
+and 49k merges take it 2-7 s); the config needs a dozen scalars and the loader the tensor table,
+so both read them here (``tests/models/test_gguf.py`` checks the result against GGUFReader's).
+``models/gguf_loader.py`` dequantizes the tensors with ``gguf.quants``.
 Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md (versions 2 and 3, little-endian).
 """
 

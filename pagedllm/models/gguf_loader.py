@@ -1,5 +1,6 @@
-"""Weights from a GGUF file: each tensor dequantized on its own (the file stays memory-mapped),
-renamed to the Hugging Face name our models load, and, for Llama, un-permuted.
+"""Weights from a GGUF file: each tensor dequantized on its own by ``gguf.quants`` (the file stays
+memory-mapped; its tensor table comes from ``gguf_metadata``, which a test checks against
+``gguf.GGUFReader``), renamed to the Hugging Face name our models load, and, for Llama, un-permuted.
 
 llama.cpp's converter reorders the rows of Llama's Q and K projections so that each head's
 rotary pairs sit interleaved (its rope layout); ours (and Hugging Face's) rotate the two halves
@@ -8,19 +9,17 @@ of a head, so the permutation is undone here, as transformers' GGUF loader does.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pagedllm.gguf_config import open_gguf
+from pagedllm.gguf_config import read_metadata
+from pagedllm.gguf_metadata import GGUFMetadata, TensorInfo
 from pagedllm.model_arch import ModelArchConfig
-
-if TYPE_CHECKING:
-    from gguf import GGUFReader, ReaderTensor
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_NAMES = {
@@ -53,31 +52,39 @@ def hf_tensor_name(gguf_name: str) -> str:
 
 
 def iterate_gguf(path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, one at a time. The file
-    is opened (and a bad one refused) now, before the caller allocates the model."""
-    return _dequantized(open_gguf(path), path, arch)
+    """(Hugging Face name, float32 tensor) for every tensor of the file, one at a time from the
+    memory-mapped file. The header is read (and a bad file refused) now, before the caller
+    allocates the model."""
+    return _dequantized(read_metadata(path), path, arch)
 
 
-def _dequantized(reader: GGUFReader, path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    for tensor in reader.tensors:
-        weights = unpermute_qk(tensor.name, dequantize(tensor, path), arch)
-        yield hf_tensor_name(tensor.name), torch.from_numpy(weights)
+def _dequantized(header: GGUFMetadata, path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, info in header.tensors.items():
+        weights = unpermute_qk(name, dequantize(name, info, file[header.data_offset :], path), arch)
+        yield hf_tensor_name(name), torch.from_numpy(weights)
 
 
-def dequantize(tensor: ReaderTensor, path: str | Path) -> np.ndarray:
-    """The tensor as a writable float32 array in the Hugging Face layout ([out, in] for a matrix)."""
+def dequantize(name: str, info: TensorInfo, data: np.ndarray, path: str | Path) -> np.ndarray:
+    """Tensor ``name`` of the data section ``data`` as a writable float32 array in the Hugging Face
+    layout ([out, in] for a matrix): its rows' bytes handed to ``gguf.quants.dequantize``."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
+    qtype = GGMLQuantizationType(info.ggml_type)  # known: the header check looked it up
+    shape = tuple(reversed(info.shape))  # GGUF lists dimensions innermost first
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"{path}: tensor {name!r} has rows of {shape[-1]} values, not whole {qtype.name} blocks")
+    rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block * type_size
+    raw = data[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
     try:
-        values = gguf_dequantize(tensor.data, tensor.tensor_type)
+        values = gguf_dequantize(raw, qtype)
     except (NotImplementedError, ValueError) as exc:
         raise ValueError(
-            f"{path}: cannot dequantize tensor {tensor.name!r} of type {tensor.tensor_type.name} ({exc}); "
+            f"{path}: cannot dequantize tensor {name!r} of type {qtype.name} ({exc}); "
             f"supported types: {', '.join(supported_tensor_types())}"
         ) from exc
-    shape = tuple(int(d) for d in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-    if values.size != int(np.prod(shape)):
-        raise ValueError(f"{path}: tensor {tensor.name!r} holds {values.size} values, its shape {shape} needs more")
     values = values.reshape(shape)
     return values if values.flags.writeable and values.dtype == np.float32 else values.astype(np.float32)
 
