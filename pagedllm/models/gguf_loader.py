@@ -91,11 +91,12 @@ def dequantize(name: str, info: TensorInfo, data: np.ndarray, path: str | Path) 
 
 def supported_tensor_types() -> list[str]:
     """The GGML tensor types ``gguf.quants.dequantize`` decodes (floats and quantized blocks)."""
+    import gguf.quants
     from gguf import GGMLQuantizationType
-    from gguf.quants import _type_traits
 
     floats = [GGMLQuantizationType.F32, GGMLQuantizationType.F16]
-    return [t.name for t in (*floats, *_type_traits)]
+    blocks = getattr(gguf.quants, "_type_traits", {})  # private: the types with a numpy decoder
+    return [t.name for t in (*floats, *blocks)]
 
 
 def unpermute_qk(name: str, weights: np.ndarray, arch: ModelArchConfig) -> np.ndarray:
