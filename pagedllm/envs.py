@@ -24,7 +24,11 @@ ENV_VARS: dict[str, EnvVar] = {
     v.name: v
     for v in (
         EnvVar("PAGEDLLM_DEVICE", "", "device used when --device is auto: cpu or cuda (default: cuda if present)"),
-        EnvVar("PAGEDLLM_CACHE", "", "where the demo model is built (default ~/.cache/pagedllm)"),
+        EnvVar(
+            "PAGEDLLM_CACHE",
+            "",
+            "where the demo model is built and converted GGUF tokenizers are kept (default ~/.cache/pagedllm)",
+        ),
         EnvVar("PAGEDLLM_CPU_KERNELS", "1", "0 turns every C++ CPU kernel off (the torch / oneDNN paths run)"),
         EnvVar(
             "PAGEDLLM_CPU_ISA",

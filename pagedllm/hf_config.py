@@ -11,10 +11,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+from pagedllm.gguf_config import gguf_arch_config, is_gguf_file
 from pagedllm.model_arch import ENCODER_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelArchConfig, RopeConfig
 
 # RoBERTa-style encoders number positions from pad_token_id + 1 (HF's create_position_ids_from_input_ids).
 _OFFSET_POSITION_ARCHITECTURES = ("RobertaModel", "XLMRobertaModel")
+
+
+def load_arch_config(model_path: str | Path) -> ModelArchConfig:
+    """The architecture of a checkpoint: a GGUF file's metadata, else a directory's ``config.json``."""
+    if is_gguf_file(model_path):
+        return gguf_arch_config(model_path)
+    return normalize_hf_config(load_hf_config(model_path))
 
 
 def load_hf_config(model_dir: str | Path) -> dict[str, Any]:

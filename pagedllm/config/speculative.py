@@ -15,7 +15,8 @@ from typing import Any
 from pagedllm.config.choices import SPECULATIVE_METHODS
 from pagedllm.config.model import check_architecture
 from pagedllm.config.options import option
-from pagedllm.hf_config import load_hf_config, normalize_hf_config
+from pagedllm.gguf_config import is_gguf_file
+from pagedllm.hf_config import load_arch_config
 from pagedllm.model_arch import ModelArchConfig
 
 MAX_SPECULATIVE_TOKENS = 16  # beyond this the verify forward mostly computes rejected tokens
@@ -172,9 +173,11 @@ def _lookup_range(lo: int | None, hi: int | None) -> tuple[int, int]:
 
 def _draft_arch(model: str, target: ModelArchConfig, max_model_len: int) -> ModelArchConfig:
     path = Path(model).expanduser()
-    if not path.is_dir():
-        raise ValueError(f"draft model {model!r} is not a local directory (Hugging Face format; nothing is downloaded)")
-    draft = normalize_hf_config(load_hf_config(str(path)))
+    if not (path.is_dir() or is_gguf_file(path)):
+        raise ValueError(
+            f"draft model {model!r} is not a local directory (Hugging Face format) or .gguf file; nothing is downloaded"
+        )
+    draft = load_arch_config(str(path))
     check_architecture(draft, "draft model architecture")
     if draft.vocab_size != target.vocab_size:
         raise ValueError(

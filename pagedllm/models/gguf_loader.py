@@ -1,0 +1,117 @@
+"""Weights from a GGUF file: each tensor dequantized on its own by ``gguf.quants`` (the file stays
+memory-mapped; its tensor table comes from ``gguf_metadata``, which a test checks against
+``gguf.GGUFReader``), renamed to the Hugging Face name our models load, and, for Llama, un-permuted.
+
+llama.cpp's converter reorders the rows of Llama's Q and K projections so that each head's
+rotary pairs sit interleaved (its rope layout); ours (and Hugging Face's) rotate the two halves
+of a head, so the permutation is undone here, as transformers' GGUF loader does.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pagedllm.gguf_config import read_metadata
+from pagedllm.gguf_metadata import GGUFMetadata, TensorInfo
+from pagedllm.model_arch import ModelArchConfig
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
+# Architectures whose Q/K rows llama.cpp's converter permutes.
+_PERMUTED_ARCHS = {"llama"}
+
+
+def hf_tensor_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``; names we don't
+    know come back unchanged (the loader then reports them as unexpected)."""
+    if (m := _BLOCK_RE.fullmatch(gguf_name)) and m[2] in _BLOCK_NAMES:
+        return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{m[3]}"
+    if (m := _GLOBAL_RE.fullmatch(gguf_name)) and m[1] in _GLOBAL_NAMES:
+        return f"{_GLOBAL_NAMES[m[1]]}.{m[2]}"
+    return gguf_name
+
+
+def iterate_gguf(path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file, one at a time from the
+    memory-mapped file. The header is read (and a bad file refused) now, before the caller
+    allocates the model."""
+    return _dequantized(read_metadata(path), path, arch)
+
+
+def _dequantized(header: GGUFMetadata, path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    file = np.memmap(path, dtype=np.uint8, mode="r")
+    for name, info in header.tensors.items():
+        weights = unpermute_qk(name, dequantize(name, info, file[header.data_offset :], path), arch)
+        yield hf_tensor_name(name), torch.from_numpy(weights)
+
+
+def dequantize(name: str, info: TensorInfo, data: np.ndarray, path: str | Path) -> np.ndarray:
+    """Tensor ``name`` of the data section ``data`` as a writable float32 array in the Hugging Face
+    layout ([out, in] for a matrix): its rows' bytes handed to ``gguf.quants.dequantize``."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    qtype = GGMLQuantizationType(info.ggml_type)  # known: the header check looked it up
+    shape = tuple(reversed(info.shape))  # GGUF lists dimensions innermost first
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"{path}: tensor {name!r} has rows of {shape[-1]} values, not whole {qtype.name} blocks")
+    rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block * type_size
+    raw = data[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
+    try:
+        values = gguf_dequantize(raw, qtype)
+    except (NotImplementedError, ValueError) as exc:
+        raise ValueError(
+            f"{path}: cannot dequantize tensor {name!r} of type {qtype.name} ({exc}); "
+            f"supported types: {', '.join(supported_tensor_types())}"
+        ) from exc
+    values = values.reshape(shape)
+    return values if values.flags.writeable and values.dtype == np.float32 else values.astype(np.float32)
+
+
+def supported_tensor_types() -> list[str]:
+    """The GGML tensor types ``gguf.quants.dequantize`` decodes (floats and quantized blocks)."""
+    import gguf.quants
+    from gguf import GGMLQuantizationType
+
+    floats = [GGMLQuantizationType.F32, GGMLQuantizationType.F16]
+    blocks = getattr(gguf.quants, "_type_traits", {})  # private: the types with a numpy decoder
+    return [t.name for t in (*floats, *blocks)]
+
+
+def unpermute_qk(name: str, weights: np.ndarray, arch: ModelArchConfig) -> np.ndarray:
+    """Undo llama.cpp's rope row permutation of Llama's ``attn_q`` / ``attn_k`` (weights and biases)."""
+    if arch.model_type not in _PERMUTED_ARCHS:
+        return weights
+    if ".attn_q." in name:
+        return _reverse_permute(weights, arch.num_attention_heads)
+    if ".attn_k." in name:
+        return _reverse_permute(weights, arch.num_key_value_heads)
+    return weights
+
+
+def _reverse_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
+    # llama.cpp: w.reshape(heads, 2, rows // heads // 2, ...).swapaxes(1, 2); this is its inverse.
+    half = weights.shape[0] // num_heads // 2
+    rows = weights.reshape(num_heads, half, 2, *weights.shape[1:])
+    return np.ascontiguousarray(rows.swapaxes(1, 2).reshape(weights.shape))
