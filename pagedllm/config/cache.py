@@ -50,7 +50,7 @@ class CacheArgs:
         0.0,
         "a second KV tier of this many GiB for evicted prefix-cache blocks: a later prefix hit copies "
         "them back instead of recomputing them. CUDA: pinned host memory; CPU: a memory-mapped file in "
-        "the temp dir (TMPDIR). 0: off. Preempted requests still recompute",
+        "the temp dir (TMPDIR). 0: off. Preemption still frees blocks (no swap-mode preemption)",
         metavar="GiB",
     )
 

@@ -38,6 +38,7 @@ class SwapTier:
 
     @property
     def num_used_slots(self) -> int:
+        """Slots holding a block (the rest are free)."""
         return len(self._slots)
 
     def lookup(self, block_hash: BlockHash) -> int | None:

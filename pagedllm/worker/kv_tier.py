@@ -47,7 +47,9 @@ class KVTier:
     def _swap_in(self, pairs: BlockSlotPairs) -> None:
         blocks, slots = self._indices(pairs)
         for cache, store in zip(self.caches, self.stores, strict=True):
-            cache[:, blocks.to(cache.device)] = store[:, slots].to(cache.device, non_blocking=True)
+            # The gather makes a pageable temporary: a plain (synchronous) copy, never one that
+            # could still read the temporary after it is freed.
+            cache[:, blocks.to(cache.device)] = store[:, slots].to(cache.device)
 
     def _indices(self, pairs: BlockSlotPairs) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, slots = zip(*pairs, strict=True)

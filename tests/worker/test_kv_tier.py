@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedllm.worker.kv_tier import KVTier
@@ -45,3 +46,16 @@ def test_no_slots_no_store() -> None:
     tier = KVTier(caches(), num_slots=0)
     assert tier.stores == []
     tier.copy([], [])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only: the tier is pinned host memory there")
+def test_cuda_caches_swap_through_pinned_host_memory() -> None:
+    kv = [c.cuda() for c in caches()]
+    tier = KVTier(kv, num_slots=2)
+    assert all(s.device.type == "cpu" and s.is_pinned() for s in tier.stores)
+    saved = [c[:, 4].clone() for c in kv]
+    tier.copy([(4, 1)], [])
+    tier.copy([], [(2, 1)])
+    torch.cuda.synchronize()
+    for c, s in zip(kv, saved, strict=True):
+        assert torch.equal(c[:, 2], s)
