@@ -7,12 +7,13 @@ Where the store lives: on CUDA, pinned host memory (fast DMA both ways). On CPU 
 already host RAM, so a RAM tier would only be a second, copy-costing part of the same memory;
 ``--kv-cache-memory`` buys more prefix cache for the same bytes, with no copies. What a CPU tier
 can add is a bigger, cheaper medium: so it is a memory-mapped file in the temp dir (unlinked at
-once, so nothing outlives the process; sparse, so only written slots take disk). The page cache
+once, so nothing outlives the process; its disk space allocated up front). The page cache
 keeps recently used slots in RAM while memory is spare and writes them back under pressure.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import os
@@ -39,17 +40,19 @@ class KVTier:
         if swap_in:
             self._swap_in(swap_in)
 
+    # index_select / index_copy_, not ``store[:, slots] = cache[:, blocks]``: advanced indexing
+    # on dim 1 is some 50x slower on the CPU (0.47 s against 8 ms for 95 SmolLM-135M blocks).
     def _swap_out(self, pairs: BlockSlotPairs) -> None:
         blocks, slots = self._indices(pairs)
         for cache, store in zip(self.caches, self.stores, strict=True):
-            store[:, slots] = cache[:, blocks.to(cache.device)].to(store.device)
+            store.index_copy_(1, slots, cache.index_select(1, blocks.to(cache.device)).to(store.device))
 
     def _swap_in(self, pairs: BlockSlotPairs) -> None:
         blocks, slots = self._indices(pairs)
         for cache, store in zip(self.caches, self.stores, strict=True):
             # The gather makes a pageable temporary: a plain (synchronous) copy, never one that
             # could still read the temporary after it is freed.
-            cache[:, blocks.to(cache.device)] = store[:, slots].to(cache.device)
+            cache.index_copy_(1, blocks.to(cache.device), store.index_select(1, slots).to(cache.device))
 
     def _indices(self, pairs: BlockSlotPairs) -> tuple[torch.Tensor, torch.Tensor]:
         blocks, slots = zip(*pairs, strict=True)
@@ -75,11 +78,25 @@ def _allocate_stores(caches: list[torch.Tensor], num_slots: int) -> list[torch.T
 
 
 def _mapped_temp_file(nbytes: int) -> mmap.mmap:
-    """A shared writable mapping of a new sparse file in the temp dir, unlinked before it is used."""
+    """A shared writable mapping of a new file in the temp dir, unlinked before it is used."""
     fd, path = tempfile.mkstemp(prefix="pagedllm-kv-swap-")
     try:
         os.unlink(path)  # the mapping keeps the file alive; the OS drops it when the process ends
-        os.ftruncate(fd, nbytes)
+        _reserve(fd, nbytes, os.path.dirname(path))
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+
+
+def _reserve(fd: int, nbytes: int, where: str) -> None:
+    """Allocate the file's disk space now (milliseconds, nothing written): a store into a sparse
+    mapping on a full disk would kill the process with SIGBUS. Sparse where it is unsupported."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise ValueError(
+                f"no room for the {nbytes / (1 << 30):.3g} GiB swap tier in {where}; lower --swap-space "
+                "or set TMPDIR to a directory on a bigger disk"
+            ) from e
+        os.ftruncate(fd, nbytes)
