@@ -67,6 +67,7 @@ def test_evicted_prefix_is_restored_from_the_tier(schedulers) -> None:
     assert out.kv_swap_out == [(1, 2), (2, 3)] and out.kv_swap_in == [(1, 1), (2, 0)]
     assert outputs.outputs[0].num_cached_tokens == 32
     stats = outputs.scheduler_stats
+    assert stats is not None
     assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (33, 32)
     assert (stats.kv_swap_out_blocks, stats.kv_swap_in_blocks) == (2, 2)
     out, _ = step(sched, model)  # a decode step: no copies

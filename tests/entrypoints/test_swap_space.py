@@ -43,7 +43,7 @@ def test_without_swap_space_the_evicted_prefix_is_recomputed(baseline) -> None:
 
 def test_with_swap_space_the_evicted_prefix_is_restored(llama_model_dir, baseline) -> None:
     llm = LLM(str(llama_model_dir), max_model_len=80, num_gpu_blocks_override=7, swap_space=0.01)
-    tier = llm.llm_engine.engine_core.scheduler.kv_cache_manager.swap_tier  # type: ignore[attr-defined]
+    tier = llm.llm_engine.engine_core.scheduler.kv_cache_manager.swap_tier
     assert tier.num_slots > 16
     first, again = run(llm)
     assert again.num_cached_tokens == 48  # the 3 full blocks before the last token's came back
@@ -57,14 +57,14 @@ def test_bad_swap_space_is_a_value_error(gib: float) -> None:
 
 
 def test_swap_counters_only_with_a_swap_tier(llama_model_dir) -> None:
-    def exposition(**kw: object) -> str:
-        config = EngineArgs(model=str(llama_model_dir), max_model_len=80, **kw).create_engine_config()
+    def exposition(swap_space: float = 0.0) -> str:
+        config = EngineArgs(model=str(llama_model_dir), max_model_len=80, swap_space=swap_space).create_engine_config()
         logger = PrometheusStatLogger("m", config=config)
         logger.record(SchedulerStats(kv_swap_out_blocks=3, kv_swap_in_blocks=2), IterationStats())
         return generate_latest(logger.registry).decode()
 
     assert "swap" not in exposition()
-    text = exposition(swap_space=0.01)
+    text = exposition(0.01)
     assert 'pagedllm:kv_swap_out_blocks_total{engine="0",model_name="m"} 3.0' in text
     assert 'pagedllm:kv_swap_in_blocks_total{engine="0",model_name="m"} 2.0' in text
 
