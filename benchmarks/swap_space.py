@@ -8,7 +8,7 @@ temp file; here the page cache still holds it, so this measures the copy, not a 
 A "hot" row, the prompt re-sent with no eviction in between (device prefix-cache hit), and a
 "cold" row (the first send) bound the result. Medians over --rounds.
 
-    python benchmarks/swap_space.py [--prompt-len 1536] [--rounds 5]
+    python -m benchmarks.swap_space [--prompt-len 1536] [--rounds 5]
 """
 
 from __future__ import annotations
