@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 
 from pagedllm.config.options import GiB, check_positive, option
 
 # The CPU KV pool when kv_cache_memory is not given (CUDA sizes its pool from the free memory).
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
+# The most of the host's RAM (CUDA: pinned) or of the temp dir's free disk (CPU) a swap tier may take.
+MAX_SWAP_SHARE_OF_RAM = 0.7
+MAX_SWAP_SHARE_OF_DISK = 0.9
 
 logger = logging.getLogger(__name__)
 
@@ -20,6 +26,7 @@ class CacheConfig:
     gpu_memory_utilization: float  # CUDA: share of device memory for weights + activations + KV
     enable_prefix_caching: bool
     num_gpu_blocks_override: int | None = None
+    swap_space_bytes: int = 0  # the swap tier for evicted prefix-cache blocks (0: none)
 
 
 @dataclass
@@ -39,12 +46,11 @@ class CacheArgs:
         "use exactly this many KV blocks (the null block included) instead of sizing the pool from memory",
         default_help="sized from memory",
     )
-    swap_space: float | None = option(
-        None,
-        "vLLM's host-memory KV swap space in GiB, accepted so its command lines run; it has NO effect here "
-        "(no host KV tier: preempted requests and evicted prefix-cache blocks are recomputed) and logs a "
-        "warning at start-up",
-        default_help="none: no host KV tier",
+    swap_space: float = option(
+        0.0,
+        "a second KV tier of this many GiB for evicted prefix-cache blocks: a later prefix hit copies "
+        "them back instead of recomputing them. CUDA: pinned host memory; CPU: a memory-mapped file in "
+        "the temp dir (TMPDIR). 0: off. Preemption still frees blocks (no swap-mode preemption)",
         metavar="GiB",
     )
 
@@ -56,14 +62,7 @@ class CacheArgs:
             raise ValueError(f"kv_cache_memory must be > 0 GiB, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.swap_space is not None:
-            if self.swap_space < 0:
-                raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-            logger.warning(
-                "swap_space=%g GiB (--swap-space) has no effect: pagedllm has no host-memory KV tier; preempted "
-                "requests and evicted prefix-cache blocks are recomputed",
-                self.swap_space,
-            )
+        swap_bytes = self._swap_space_bytes(device)
         gib = self.kv_cache_memory
         if gib is None and device == "cpu":
             gib = DEFAULT_CPU_KV_CACHE_GIB
@@ -74,4 +73,34 @@ class CacheArgs:
             self.gpu_memory_utilization,
             self.enable_prefix_caching,
             self.num_gpu_blocks_override,
+            swap_bytes,
+        )
+
+    def _swap_space_bytes(self, device: str) -> int:
+        """--swap-space in bytes, checked against what backs the tier on ``device``."""
+        if self.swap_space is None or self.swap_space == 0:
+            return 0
+        if not self.swap_space > 0:  # negative or NaN
+            raise ValueError(f"swap_space must be >= 0 GiB (0 turns the swap tier off), got {self.swap_space}")
+        wanted = int(self.swap_space * GiB)
+        check_swap_fits(wanted, device)
+        if not self.enable_prefix_caching:
+            logger.warning("swap_space=%g GiB is unused: the swap tier holds prefix-cache blocks", self.swap_space)
+            return 0
+        return wanted
+
+
+def check_swap_fits(nbytes: int, device: str) -> None:
+    """Refuse a swap tier the host cannot back: CUDA pins host RAM, CPU maps a temp-dir file."""
+    if device == "cpu":
+        where = tempfile.gettempdir()
+        limit = int(shutil.disk_usage(where).free * MAX_SWAP_SHARE_OF_DISK)
+        what, fix = f"of the free disk space in {where}", "or set TMPDIR to a directory on a bigger disk"
+    else:
+        limit = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * MAX_SWAP_SHARE_OF_RAM)
+        what, fix = "of the host's RAM (pinned)", "or free host memory"
+    if nbytes > limit:
+        raise ValueError(
+            f"swap_space={nbytes / GiB:.3g} GiB is more than {limit / GiB:.3g} GiB, the most this engine "
+            f"takes {what}; lower --swap-space {fix}"
         )

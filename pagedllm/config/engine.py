@@ -47,6 +47,12 @@ class EngineConfig:
         per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in archs)
         return per_token * self.cache_config.block_size * self.model_config.dtype_bytes
 
+    def num_swap_blocks(self) -> int:
+        """Slots of the swap tier: --swap-space over the bytes of one block (0: no tier; an
+        encoder keeps no KV and has nothing to swap)."""
+        per_block = self.kv_bytes_per_block()
+        return self.cache_config.swap_space_bytes // per_block if per_block else 0
+
     def blocks_per_max_len_request(self) -> int:
         lookahead = 0 if self.speculative_config is None else self.speculative_config.num_lookahead_tokens
         return -(-(self.model_config.max_model_len + lookahead) // self.cache_config.block_size)

@@ -61,6 +61,11 @@ class SchedulerOutput:
     # req_id -> the most tokens the worker may propose for it after this step (adaptive
     # speculation backing off); absent: num_speculative_tokens.
     spec_token_limits: dict[str, int] = field(default_factory=dict)
+    # Swap-tier copies as (block id, tier slot), run before the step's forward: every swap-out
+    # (an evicted prefix-cache block, copied out before its block is reused), then every swap-in
+    # (a tier hit copied into the fresh block that holds it now). Run even when ``is_empty``.
+    kv_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    kv_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -45,6 +45,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         speculative_config: SpeculativeConfig | None = None,
+        num_swap_blocks: int = 0,
     ) -> None:
         self.config = scheduler_config
         # Slots past the scheduled tokens that a draft model writes its own KV into.
@@ -55,7 +56,7 @@ class Scheduler:
             self.spec_policy = SpeculationPolicy(speculative_config.num_speculative_tokens)
         self.max_model_len = scheduler_config.max_model_len
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, enable_caching=cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, num_swap_blocks
         )
         self.requests: dict[str, Request] = {}
         self.waiting = create_request_queue(scheduler_config.policy)
@@ -309,6 +310,7 @@ class Scheduler:
         """The snapshot after a step that computed ``num_scheduled_tokens`` (0: no model step).
         Requests waiting for their grammar are deferred; the rest of the queue waits for capacity."""
         queries, hits = self.kv_cache_manager.make_prefix_cache_stats()
+        swapped_out, swapped_in = self.kv_cache_manager.make_swap_stats()
         stats = SchedulerStats(
             num_running_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting) + len(self.compiling),
@@ -318,6 +320,8 @@ class Scheduler:
             prefix_cache_hits=hits,
             num_preemptions=self.num_preemptions,
             num_scheduled_tokens=num_scheduled_tokens,
+            kv_swap_out_blocks=swapped_out,
+            kv_swap_in_blocks=swapped_in,
         )
         self.num_preemptions = 0
         if self.spec_stats is not None and self.spec_stats.num_drafts:

@@ -63,6 +63,7 @@ def build_scheduler_output(
         resumed = r.request_id in plan.resumed
         block_ids = kv_cache_manager.get_block_ids(r.request_id) if resumed else plan.new_block_ids[r.request_id]
         cached.add(r.request_id, resumed, block_ids, r.num_computed_tokens)
+    swap_out, swap_in = kv_cache_manager.take_kv_copies()
     return SchedulerOutput(
         new_reqs,
         cached,
@@ -72,6 +73,8 @@ def build_scheduler_output(
         {r.request_id for r in plan.preempted},
         _structured_rows(plan, requests),
         scheduled_spec_decode_tokens=plan.spec_tokens,
+        kv_swap_out=swap_out,
+        kv_swap_in=swap_in,
     )
 
 

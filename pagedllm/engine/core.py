@@ -34,7 +34,11 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_blocks)
         with phases.phase("scheduler"):
             self.scheduler = Scheduler(
-                config.scheduler_config, config.cache_config, self.num_blocks, config.speculative_config
+                config.scheduler_config,
+                config.cache_config,
+                self.num_blocks,
+                config.speculative_config,
+                num_swap_blocks=config.num_swap_blocks(),
             )
             self.structured_output_manager = StructuredOutputManager(config, grammar_compiler)
         self.startup_seconds = time.perf_counter() - start
@@ -48,7 +52,13 @@ class EngineCore:
         return (
             f"{usable} KV blocks of {bs} tokens = {usable * bs} tokens; "
             f"{usable // per_req} requests of max_model_len={self.config.model_config.max_model_len} fit"
+            + self._swap_summary()
         )
+
+    def _swap_summary(self) -> str:
+        num_slots = self.config.num_swap_blocks()
+        where = "pinned host memory" if self.config.device == "cuda" else "a memory-mapped temp file"
+        return f"; swap tier: {num_slots} blocks in {where}" if num_slots else ""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         req = Request.from_engine_core_request(request)

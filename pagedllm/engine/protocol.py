@@ -141,6 +141,8 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     prefix_cache_hits: int = 0  # of those, tokens found
     num_preemptions: int = 0  # this step
     num_scheduled_tokens: int = 0  # tokens the model computed this step; 0 when no model step ran
+    kv_swap_out_blocks: int = 0  # evicted prefix-cache blocks copied to the swap tier this step
+    kv_swap_in_blocks: int = 0  # tier hits copied back into KV blocks this step
     spec_decoding: SpecDecodingStats | None = None  # None when speculation is off or idle
 
 

@@ -8,6 +8,7 @@ from pagedllm.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from pagedllm.kv_cache.block_pool import BlockPool
 from pagedllm.kv_cache.hashing import BlockHash, hash_block_tokens, update_request_block_hashes
 from pagedllm.kv_cache.manager import KVCacheManager
+from pagedllm.kv_cache.swap_tier import SwapTier
 
 __all__ = [
     "BlockHash",
@@ -15,6 +16,7 @@ __all__ = [
     "FreeKVCacheBlockQueue",
     "KVCacheBlock",
     "KVCacheManager",
+    "SwapTier",
     "hash_block_tokens",
     "update_request_block_hashes",
 ]

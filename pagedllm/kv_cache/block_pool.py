@@ -7,7 +7,8 @@ Every non-null block is in exactly one state:
 * free, uncached: ``ref_cnt == 0``, in the free queue, no hash.
 
 A freed cached block keeps its hash until it is popped for reuse, which is what makes the free
-queue double as the prefix cache's LRU eviction order.
+queue double as the prefix cache's LRU eviction order. At that eviction the swap tier (if any,
+swap_tier.py) may keep a copy of the block; ``take_kv_copies`` hands the step's copies over.
 """
 
 from __future__ import annotations
@@ -16,12 +17,13 @@ from collections.abc import Iterable
 
 from pagedllm.kv_cache.block import FreeKVCacheBlockQueue, KVCacheBlock
 from pagedllm.kv_cache.hashing import BlockHash
+from pagedllm.kv_cache.swap_tier import SwapTier
 
 
 class BlockPool:
     """A fixed set of ``num_blocks`` blocks; block 0 is the reserved null block."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool, swap_tier: SwapTier | None = None) -> None:
         if num_blocks < 2:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is reserved), got {num_blocks}")
         self.num_blocks = num_blocks
@@ -31,6 +33,10 @@ class BlockPool:
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
         self.cached_block_hash_to_block: dict[BlockHash, KVCacheBlock] = {}
+        self.swap_tier = swap_tier if swap_tier is not None else SwapTier(0)
+        # Blocks handed out since the last take_kv_copies(): their content is not settled until
+        # the step runs, so evicting one again in the same step must not copy it to the tier.
+        self._reused_this_step: set[int] = set()
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding ``block_hash`` in the prefix cache, or None."""
@@ -44,6 +50,7 @@ class BlockPool:
         for block in blocks:
             assert block.ref_cnt == 0, block
             self._evict_cached_block(block)
+            self._reused_this_step.add(block.block_id)
             block.ref_cnt = 1
         return blocks
 
@@ -52,8 +59,15 @@ class BlockPool:
         if block.block_hash is None:
             return
         assert self.cached_block_hash_to_block.get(block.block_hash) is block, block
+        if block.block_id not in self._reused_this_step:
+            self.swap_tier.offer(block.block_hash, block.block_id)
         del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
+
+    def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The planned step's tier copies, (swap-outs, swap-ins) of (block id, slot); ends the step."""
+        self._reused_this_step.clear()
+        return self.swap_tier.take_copies()
 
     def touch(self, blocks: Iterable[KVCacheBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
@@ -111,6 +125,7 @@ class BlockPool:
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         self.cached_block_hash_to_block.clear()
+        self.swap_tier.reset()
         for block in self.blocks:
             block.block_hash = None
         return True
@@ -118,6 +133,7 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Verify the block-state invariants above; raise RuntimeError naming what is wrong."""
         errors = self._free_queue_errors() + self._ref_cnt_errors() + self._hash_index_errors()
+        errors += self.swap_tier.integrity_errors()
         if errors:
             raise RuntimeError("KV block pool integrity check failed:\n  " + "\n  ".join(errors))
 

@@ -4,6 +4,10 @@ The scheduler's view of KV memory. It answers three questions each step: how muc
 request's prompt is already cached (``get_computed_blocks``), can a request get the blocks its
 next tokens need (``allocate_slots``, all-or-nothing), and give a finished or preempted
 request's blocks back (``free``).
+
+With a swap tier (``num_swap_slots``), a lookup continues past the device pool's hits into the
+tier; those tier hits count as computed, and the ``allocate_slots`` that follows gives them fresh
+blocks and plans their swap-ins. Only that call commits them: a failed allocation plans nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from typing import TYPE_CHECKING
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.block_pool import BlockPool
 from pagedllm.kv_cache.hashing import BlockHash, update_request_block_hashes
+from pagedllm.kv_cache.swap_tier import SwapTier
 
 if TYPE_CHECKING:
     from pagedllm.request import Request
@@ -26,12 +31,16 @@ def _cdiv(a: int, b: int) -> int:
 class KVCacheManager:
     """Maps each request id to its block table and keeps its full blocks in the prefix cache."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, num_swap_slots: int = 0) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.swap_tier = SwapTier(num_swap_slots if enable_caching else 0)
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.swap_tier)
+        # The last lookup's tier hits (request id, hashes); only the next allocate_slots call may
+        # use them, so a lookup that is never followed by an allocation leaves nothing behind.
+        self._tier_hits: tuple[str, list[BlockHash]] | None = None
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -61,7 +70,9 @@ class KVCacheManager:
         update_request_block_hashes(request, self.block_size)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         blocks = self._find_longest_cache_hit(request.block_hashes[:max_hit_blocks])
-        num_computed_tokens = len(blocks) * self.block_size
+        tier_hits = self._find_tier_hits(request.block_hashes[len(blocks) : max_hit_blocks])
+        self._tier_hits = (request.request_id, tier_hits) if tier_hits else None
+        num_computed_tokens = (len(blocks) + len(tier_hits)) * self.block_size
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
         return blocks, num_computed_tokens
@@ -75,6 +86,14 @@ class KVCacheManager:
                 break
             blocks.append(block)
         return blocks
+
+    def _find_tier_hits(self, block_hashes: list[BlockHash]) -> list[BlockHash]:
+        hits = []
+        for block_hash in block_hashes:
+            if self.swap_tier.lookup(block_hash) is None:
+                break
+            hits.append(block_hash)
+        return hits
 
     def make_prefix_cache_stats(self) -> tuple[int, int]:
         """(queried tokens, hit tokens) since the last call; resets both counters."""
@@ -94,19 +113,25 @@ class KVCacheManager:
         ``new_computed_blocks`` are prefix-cache hits from ``get_computed_blocks`` (admission
         only; ``request.num_computed_tokens`` must not include them yet). Returns the ids of the
         blocks appended to the request's block table, in table order, or None with no state
-        change when the pool cannot supply them.
+        change when the pool cannot supply them. Tier hits of the lookup just before this call
+        get the first fresh blocks after ``new_computed_blocks`` (swap-ins).
         """
         new_computed = new_computed_blocks or []
+        tier_hits = self._take_tier_hits(request.request_id)
         table = self.req_to_blocks.get(request.request_id, [])
-        assert not (new_computed and table), "prefix hits are only passed on admission"
-        num_computed = request.num_computed_tokens + len(new_computed) * self.block_size
+        assert not ((new_computed or tier_hits) and table), "prefix hits are only passed on admission"
+        num_computed = request.num_computed_tokens + (len(new_computed) + len(tier_hits)) * self.block_size
         num_required = _cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_to_allocate = max(0, num_required - len(table) - len(new_computed))
         if not self._can_allocate(num_to_allocate, new_computed):
             return None
-        new_blocks = self._append_blocks(request.request_id, new_computed, num_to_allocate)
+        new_blocks = self._append_blocks(request.request_id, new_computed, num_to_allocate, tier_hits)
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return [block.block_id for block in new_blocks]
+
+    def _take_tier_hits(self, request_id: str) -> list[BlockHash]:
+        last, self._tier_hits = self._tier_hits, None
+        return last[1] if last is not None and last[0] == request_id else []
 
     def _can_allocate(self, num_to_allocate: int, new_computed: list[KVCacheBlock]) -> bool:
         # Free prefix-hit blocks sit in the free queue, but touch() is about to take them out,
@@ -115,13 +140,19 @@ class KVCacheManager:
         return num_to_allocate <= self.block_pool.get_num_free_blocks() - num_free_hits
 
     def _append_blocks(
-        self, request_id: str, new_computed: list[KVCacheBlock], num_to_allocate: int
+        self, request_id: str, new_computed: list[KVCacheBlock], num_to_allocate: int, tier_hits: list[BlockHash]
     ) -> list[KVCacheBlock]:
         table = self.req_to_blocks.setdefault(request_id, [])
-        # Prefix hits are already in the cache; caching resumes after them.
+        # Prefix hits are already in the cache; caching resumes after them (and indexes the
+        # swap-in blocks: their content arrives before this step's forward).
         self.num_cached_block.setdefault(request_id, len(new_computed))
         self.block_pool.touch(new_computed)
-        new_blocks = new_computed + self.block_pool.get_new_blocks(num_to_allocate)
+        slots = self.swap_tier.claim(tier_hits)  # before get_new_blocks may evict into the tier
+        fresh = self.block_pool.get_new_blocks(num_to_allocate)
+        assert len(fresh) >= len(slots), (len(fresh), len(slots))
+        for slot, block in zip(slots, fresh):
+            self.swap_tier.swap_in(slot, block.block_id)
+        new_blocks = new_computed + fresh
         table.extend(new_blocks)
         return new_blocks
 
@@ -145,9 +176,20 @@ class KVCacheManager:
         this prefix is likelier to need the head blocks.
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
+        if self._tier_hits is not None and self._tier_hits[0] == request.request_id:
+            self._tier_hits = None
         self.num_cached_block.pop(request.request_id, None)
         if blocks is not None:
             self.block_pool.free_blocks(reversed(blocks))
+
+    def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The tier copies (swap-outs, swap-ins) the step just planned needs, as (block id, slot)
+        pairs; call once per step, when its SchedulerOutput is built."""
+        return self.block_pool.take_kv_copies()
+
+    def make_swap_stats(self) -> tuple[int, int]:
+        """(blocks swapped out, blocks swapped in) since the last call; resets both counters."""
+        return self.swap_tier.take_stats()
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table as physical block ids (empty if it holds none)."""

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
 
 METRIC_PREFIX = "vllm:"
+OWN_METRIC_PREFIX = "pagedllm:"  # series vLLM has no counterpart of
 ENGINE_INDEX = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 WAITING_REASONS = ("capacity", "deferred")
@@ -64,6 +65,10 @@ class PrometheusStatLogger:
             self._make_spec_counters(0)
         elif config.speculative_config is not None:
             self._make_spec_counters(config.speculative_config.num_speculative_tokens)
+        self.swap_out: Any = None  # these two only with a swap tier (--swap-space)
+        self.swap_in: Any = None
+        if config is not None and config.cache_config.swap_space_bytes:
+            self._make_swap_counters()
 
     # ------------------------------------------------------------------ creation
     def _family(self, cls: type, name: str, doc: str, extra_labels: tuple[str, ...] = (), **kw: Any) -> Any:
@@ -170,6 +175,16 @@ class PrometheusStatLogger:
         self.prefill_time = histogram("request_prefill_time_seconds", "First scheduled to the first token.")
         self.decode_time = histogram("request_decode_time_seconds", "First token to the last token.")
 
+    def _make_swap_counters(self) -> None:
+        labels = ["model_name", "engine"]
+        self.swap_out, self.swap_in = (
+            Counter(OWN_METRIC_PREFIX + name, doc, labels, registry=self.registry).labels(self.model_name, ENGINE_INDEX)
+            for name, doc in (
+                ("kv_swap_out_blocks", "Evicted prefix-cache blocks copied to the swap tier."),
+                ("kv_swap_in_blocks", "Prefix-cache blocks copied back from the swap tier (instead of recomputed)."),
+            )
+        )
+
     def _make_spec_counters(self, num_positions: int) -> None:
         """``num_positions``: the per-position series shown from the start (0: as they come)."""
         self.spec_drafts = self._one(
@@ -221,6 +236,9 @@ class PrometheusStatLogger:
         self.prefix_queries.inc(s.prefix_cache_queries)
         self.prefix_hits.inc(s.prefix_cache_hits)
         self.preemptions.inc(s.num_preemptions)
+        if self.swap_out is not None:
+            self.swap_out.inc(s.kv_swap_out_blocks)
+            self.swap_in.inc(s.kv_swap_in_blocks)
         if s.num_scheduled_tokens:
             self.iteration_tokens.observe(s.num_scheduled_tokens)
         if s.spec_decoding is not None:

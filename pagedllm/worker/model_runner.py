@@ -28,6 +28,7 @@ from pagedllm.worker.causal_lm import CausalLM
 from pagedllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graphs_enabled
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layers import attention_layers, bind_kv_caches
+from pagedllm.worker.kv_tier import KVTier
 from pagedllm.worker.pooler import Pooler
 from pagedllm.worker.request_state import CachedRequestState, update_states
 from pagedllm.worker.staging import HostStager
@@ -57,6 +58,7 @@ class ModelRunner:
         self._model: CausalLM | None = None  # the target: ``model`` once loaded
         self.models: list[torch.nn.Module] = []  # every model with KV: the target, then a draft model
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_tier = KVTier([], 0)  # the swap tier (--swap-space), set up with the KV caches
         self.proposer: Proposer | None = None  # speculative decoding: set up in load_model
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps replay these (CUDA)
         pooler_config = config.model_config.pooler_config
@@ -97,6 +99,7 @@ class ModelRunner:
         self.kv_caches = bind_kv_caches(
             attention_layers(self.models), num_blocks, self.block_size, self.dtype, self.device, self.attn_backend
         )
+        self.kv_tier = KVTier(self.kv_caches, self.config.num_swap_blocks())
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode-only forwards (after the KV cache is bound: the graphs bake in its address)."""
@@ -126,6 +129,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         update_states(self.requests, sched, self._make_generator)
+        self.kv_tier.copy(sched.kv_swap_out, sched.kv_swap_in)  # before the forward writes any block
         self.input_batch.sync(self.requests, sched)  # an empty step empties the rows too
         if self.pooler is not None:
             self.pooler.forget(sched.finished_req_ids)

@@ -43,16 +43,16 @@ def test_chunked_prefill_flags_are_accepted_and_the_help_says_it_is_always_on(ca
     with pytest.raises(SystemExit):
         parser.parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "always on here" in text and "NO effect here" in text
+    assert "always on here" in text and "a second KV tier" in text
 
 
-def test_no_chunked_prefill_and_swap_space_only_warn(caplog) -> None:
+def test_no_chunked_prefill_only_warns_and_swap_space_sizes_a_tier(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         config = SchedulerArgs(enable_chunked_prefill=False).create_scheduler_config(256, "cpu", "serve")
-        CacheArgs(swap_space=4).create_cache_config("cpu")
+        cache = CacheArgs(swap_space=4).create_cache_config("cpu")
     assert config == SchedulerArgs().create_scheduler_config(256, "cpu", "serve")  # nothing changes
-    text = caplog.text
-    assert "chunked prefill is always on" in text and "swap_space=4 GiB (--swap-space) has no effect" in text
+    assert "chunked prefill is always on" in caplog.text and "swap" not in caplog.text
+    assert cache.swap_space_bytes == 4 << 30
     with caplog.at_level(logging.WARNING):
         caplog.clear()
         SchedulerArgs().create_scheduler_config(256, "cpu", "serve")
@@ -78,4 +78,4 @@ def test_module_entry_point_serves_with_model_flag(module, llama_model_dir) -> N
         assert body["model"] == "tiny" and body["usage"]["completion_tokens"] >= 1
         metrics = httpx.get(server.url_for("metrics"), timeout=10).text
         assert "vllm:gpu_cache_usage_perc{" in metrics and "vllm:time_per_output_token_seconds_count{" in metrics
-        assert "has no effect" in server.log()  # the --swap-space warning at start-up
+        assert "swap tier: " in server.log()  # --swap-space sized a tier (the start-up capacity line)

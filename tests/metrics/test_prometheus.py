@@ -216,5 +216,6 @@ def test_engine_config_sets_token_buckets_spec_counters_and_cache_info(llama_mod
         "gpu_memory_utilization",
         "enable_prefix_caching",
         "num_gpu_blocks_override",
+        "swap_space_bytes",
         "num_gpu_blocks",
     }
