@@ -66,6 +66,8 @@ class SchedulerOutput:
     # (a tier hit copied into the fresh block that holds it now). Run even when ``is_empty``.
     kv_swap_out: list[tuple[int, int]] = field(default_factory=list)
     kv_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Copy-on-write prefix hits: (source block, destination block), run after the swap-outs.
+    kv_block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

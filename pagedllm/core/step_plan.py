@@ -75,6 +75,7 @@ def build_scheduler_output(
         scheduled_spec_decode_tokens=plan.spec_tokens,
         kv_swap_out=swap_out,
         kv_swap_in=swap_in,
+        kv_block_copies=kv_cache_manager.take_block_copies(),
     )
 
 

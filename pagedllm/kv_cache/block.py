@@ -24,6 +24,9 @@ class KVCacheBlock:
     next_free_block: KVCacheBlock | None = field(default=None, repr=False)
     # The reserved block 0: a placeholder for skipped positions, never allocated or freed.
     is_null: bool = False
+    # Cached under a partial block's hash (a freed request's last, partly filled block): a later
+    # request whose tokens continue it gets a copy (copy-on-write), never the block itself.
+    is_partial: bool = False
 
 
 class FreeKVCacheBlockQueue:

@@ -59,10 +59,11 @@ class BlockPool:
         if block.block_hash is None:
             return
         assert self.cached_block_hash_to_block.get(block.block_hash) is block, block
-        if block.block_id not in self._reused_this_step:
+        if block.block_id not in self._reused_this_step and not block.is_partial:
             self.swap_tier.offer(block.block_hash, block.block_id)
         del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
+        block.is_partial = False
 
     def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The planned step's tier copies, (swap-outs, swap-ins) of (block id, slot); ends the step."""
@@ -101,6 +102,16 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
+    def cache_partial_block(self, block: KVCacheBlock, partial_hash: BlockHash) -> None:
+        """Index a request's last, partly computed block as it is freed (``partial_hash`` covers
+        its computed tokens, so it never equals a full block's hash): a later request continuing
+        those tokens copies it instead of recomputing them (``KVCacheManager``)."""
+        if not self.enable_caching or block.is_null or block.block_hash is not None or block.ref_cnt != 1:
+            return  # shared or already indexed: leave it alone
+        if partial_hash not in self.cached_block_hash_to_block:
+            block.block_hash, block.is_partial = partial_hash, True
+            self.cached_block_hash_to_block[partial_hash] = block
+
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop one reference per block; blocks reaching 0 join the free-queue tail in order."""
         for block in ordered_blocks:
@@ -125,6 +136,8 @@ class BlockPool:
         if self.get_num_free_blocks() != self.num_blocks - 1:
             return False
         self.cached_block_hash_to_block.clear()
+        for block in self.blocks:
+            block.is_partial = False
         self.swap_tier.reset()
         for block in self.blocks:
             block.block_hash = None

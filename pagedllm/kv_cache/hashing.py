@@ -55,3 +55,14 @@ def update_request_block_hashes(request: Request, block_size: int) -> None:
         extra = _first_block_extra_keys(request) if i == 0 else None
         parent = hash_block_tokens(parent, tokens[i * block_size : (i + 1) * block_size], extra)
         hashes.append(parent)
+
+
+def partial_block_hash(request: Request, block_index: int, num_tokens: int, block_size: int) -> BlockHash:
+    """The hash of the first ``num_tokens`` (< block_size) tokens of the request's block
+    ``block_index``, chained like a full block's (its length is hashed too, so it never equals
+    one). ``request.block_hashes`` must cover the blocks before it."""
+    assert 0 < num_tokens < block_size, num_tokens
+    start = block_index * block_size
+    parent = request.block_hashes[block_index - 1] if block_index else None
+    extra = _first_block_extra_keys(request) if block_index == 0 else None
+    return hash_block_tokens(parent, request.all_token_ids[start : start + num_tokens], extra)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 from pagedllm.kv_cache.block import KVCacheBlock
 from pagedllm.kv_cache.block_pool import BlockPool
-from pagedllm.kv_cache.hashing import BlockHash, update_request_block_hashes
+from pagedllm.kv_cache.hashing import BlockHash, partial_block_hash, update_request_block_hashes
 from pagedllm.kv_cache.swap_tier import SwapTier
 
 if TYPE_CHECKING:
@@ -41,6 +41,11 @@ class KVCacheManager:
         # The last lookup's tier hits (request id, hashes); only the next allocate_slots call may
         # use them, so a lookup that is never followed by an allocation leaves nothing behind.
         self._tier_hits: tuple[str, list[BlockHash]] | None = None
+        # The last lookup's partial-block hit (request id, cached partial block, its tokens), and
+        # the step's block copies (source, destination): a hit is copied into the request's own
+        # fresh block before the forward (copy-on-write), since the request writes into it.
+        self._partial_hit: tuple[str, KVCacheBlock, int] | None = None
+        self._block_copies: list[tuple[int, int]] = []
         self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_block: dict[str, int] = {}
@@ -72,7 +77,10 @@ class KVCacheManager:
         blocks = self._find_longest_cache_hit(request.block_hashes[:max_hit_blocks])
         tier_hits = self._find_tier_hits(request.block_hashes[len(blocks) : max_hit_blocks])
         self._tier_hits = (request.request_id, tier_hits) if tier_hits else None
-        num_computed_tokens = (len(blocks) + len(tier_hits)) * self.block_size
+        num_full = len(blocks) + len(tier_hits)
+        partial = self._find_partial_hit(request, num_full)
+        self._partial_hit = (request.request_id, *partial) if partial is not None else None
+        num_computed_tokens = num_full * self.block_size + (partial[1] if partial is not None else 0)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += num_computed_tokens
         return blocks, num_computed_tokens
@@ -94,6 +102,18 @@ class KVCacheManager:
                 break
             hits.append(block_hash)
         return hits
+
+    def _find_partial_hit(self, request: Request, block_index: int) -> tuple[KVCacheBlock, int] | None:
+        """The longest cached partial block that continues the request's tokens after its
+        ``block_index`` full blocks (leaving the last token to compute), as (block, tokens)."""
+        limit = min(self.block_size - 1, request.num_tokens - 1 - block_index * self.block_size)
+        for num_tokens in range(limit, 0, -1):
+            block = self.block_pool.get_cached_block(
+                partial_block_hash(request, block_index, num_tokens, self.block_size)
+            )
+            if block is not None:
+                return block, num_tokens
+        return None
 
     def make_prefix_cache_stats(self) -> tuple[int, int]:
         """(queried tokens, hit tokens) since the last call; resets both counters."""
@@ -118,20 +138,35 @@ class KVCacheManager:
         """
         new_computed = new_computed_blocks or []
         tier_hits = self._take_tier_hits(request.request_id)
+        partial = self._take_partial_hit(request.request_id)
         table = self.req_to_blocks.get(request.request_id, [])
-        assert not ((new_computed or tier_hits) and table), "prefix hits are only passed on admission"
+        assert not ((new_computed or tier_hits or partial) and table), "prefix hits are only passed on admission"
         num_computed = request.num_computed_tokens + (len(new_computed) + len(tier_hits)) * self.block_size
+        num_computed += partial[1] if partial is not None else 0
         num_required = _cdiv(num_computed + num_new_tokens + num_lookahead_tokens, self.block_size)
         num_to_allocate = max(0, num_required - len(table) - len(new_computed))
         if not self._can_allocate(num_to_allocate, new_computed):
             return None
         new_blocks = self._append_blocks(request.request_id, new_computed, num_to_allocate, tier_hits)
+        if partial is not None:  # its tokens go into the first block after the full hits
+            destination = new_blocks[len(new_computed) + len(tier_hits)]
+            self._block_copies.append((partial[0].block_id, destination.block_id))
         self._cache_full_blocks(request, num_computed + num_new_tokens)
         return [block.block_id for block in new_blocks]
 
     def _take_tier_hits(self, request_id: str) -> list[BlockHash]:
         last, self._tier_hits = self._tier_hits, None
         return last[1] if last is not None and last[0] == request_id else []
+
+    def _take_partial_hit(self, request_id: str) -> tuple[KVCacheBlock, int] | None:
+        last, self._partial_hit = self._partial_hit, None
+        return (last[1], last[2]) if last is not None and last[0] == request_id else None
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The step's copy-on-write block copies (source, destination): the worker runs them
+        after the swap-outs and before the swap-ins and the forward. Call once per step."""
+        copies, self._block_copies = self._block_copies, []
+        return copies
 
     def _can_allocate(self, num_to_allocate: int, new_computed: list[KVCacheBlock]) -> bool:
         # Free prefix-hit blocks sit in the free queue, but touch() is about to take them out,
@@ -178,9 +213,24 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if self._tier_hits is not None and self._tier_hits[0] == request.request_id:
             self._tier_hits = None
+        if self._partial_hit is not None and self._partial_hit[0] == request.request_id:
+            self._partial_hit = None
         self.num_cached_block.pop(request.request_id, None)
         if blocks is not None:
+            self._cache_partial_tail(request, blocks)
             self.block_pool.free_blocks(reversed(blocks))
+
+    def _cache_partial_tail(self, request: Request, blocks: list[KVCacheBlock]) -> None:
+        """Index the request's last, partly computed block under its computed tokens, so that a
+        request continuing them (a beam of the next step, a resumed one) copies it."""
+        if not self.enable_caching:
+            return
+        # Accepted proposals past a stop are computed but not kept: count only kept tokens.
+        block_index, num_tokens = divmod(min(request.num_computed_tokens, request.num_tokens), self.block_size)
+        if num_tokens and block_index < len(blocks):
+            update_request_block_hashes(request, self.block_size)
+            partial_hash = partial_block_hash(request, block_index, num_tokens, self.block_size)
+            self.block_pool.cache_partial_block(blocks[block_index], partial_hash)
 
     def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The tier copies (swap-outs, swap-ins) the step just planned needs, as (block id, slot)

@@ -129,7 +129,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         update_states(self.requests, sched, self._make_generator)
-        self.kv_tier.copy(sched.kv_swap_out, sched.kv_swap_in)  # before the forward writes any block
+        self.kv_tier.copy(
+            sched.kv_swap_out, sched.kv_swap_in, sched.kv_block_copies
+        )  # before the forward writes any block
         self.input_batch.sync(self.requests, sched)  # an empty step empties the rows too
         if self.pooler is not None:
             self.pooler.forget(sched.finished_req_ids)

@@ -69,6 +69,7 @@ class FakeModel:
         self.kv: dict[int, list[tuple[int, int] | None]] = {}  # block id -> (position, token) per slot
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.copy_kv(out)
         self._apply_diffs(out)
         for req_id, n in out.num_scheduled_tokens.items():
             self._write_kv(req_id, self.computed[req_id], n)
@@ -80,6 +81,12 @@ class FakeModel:
                 sampled[req_id] = [self._next_token(req_id)]
                 self.tokens[req_id].append(sampled[req_id][0])
         return ModelRunnerOutput(sampled_token_ids=sampled)
+
+    def copy_kv(self, out: SchedulerOutput) -> None:
+        """The step's copy-on-write block copies, all sources read before any write (as the worker)."""
+        sources = [list(self.kv.get(src, [None] * BS)) for src, _ in out.kv_block_copies]
+        for (_, dst), content in zip(out.kv_block_copies, sources):
+            self.kv[dst] = content
 
     def _apply_diffs(self, out: SchedulerOutput) -> None:
         for req_id in out.finished_req_ids:

@@ -7,6 +7,8 @@ restored from a stale slot or into the wrong block fails the KV check of the ste
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterator
 
 import pytest
@@ -23,11 +25,13 @@ class SwapFakeModel(FakeModel):
         self.tier: dict[int, list] = {}  # slot -> the block's simulated KV
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        # The worker's order: swap-outs, copy-on-write copies, swap-ins, then the forward.
         for block_id, slot in out.kv_swap_out:
             self.tier[slot] = list(self.kv[block_id])
+        super().copy_kv(out)
         for block_id, slot in out.kv_swap_in:
             self.kv[block_id] = list(self.tier[slot])
-        return super().execute(out)
+        return super().execute(dataclasses.replace(out, kv_block_copies=[]))
 
 
 @pytest.fixture

@@ -291,9 +291,9 @@ def _record_block_use(llm) -> list[dict]:
 
 
 @pytest.mark.parametrize("max_tokens", [8, 24])
-def test_beams_share_the_prompt_blocks_and_recompute_only_their_tail(llama_model_dir, max_tokens) -> None:
-    """k beams over a long prompt hold the prompt's full blocks once plus one tail each, and
-    compute only the tokens after their last full cached block."""
+def test_beams_share_full_blocks_and_copy_their_partial_tail(llama_model_dir, max_tokens) -> None:
+    """k beams over a long prompt hold the prompt's full blocks once plus one tail each; a beam
+    copies its parent's partial last block (copy-on-write) and computes one token per step."""
     llm = LLM(str(llama_model_dir), dtype="float32", block_size=16)
     prompt = (llm.get_tokenizer().encode("The quick brown fox jumps over the lazy dog. " * 20))[:83]
     width, block = 4, 16
@@ -305,7 +305,7 @@ def test_beams_share_the_prompt_blocks_and_recompute_only_their_tail(llama_model
         assert len(tables) == width
         assert all(t[:5] == tables[0][:5] for t in tables), "the 5 full prompt blocks are shared"
         for _, tokens, computed in step["reqs"].values():
-            assert computed == len(tokens) - (len(tokens) - 1) // block * block  # only past the last full block
+            assert computed == 1  # the parent's full blocks are shared, its partial block copied
         full_prefixes = {
             tuple(tok[: block * (j + 1)]) for _, tok, _ in step["reqs"].values() for j in range(len(tok) // block)
         }
