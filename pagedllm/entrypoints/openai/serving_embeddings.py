@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 from array import array
+from collections.abc import Coroutine
 from contextlib import aclosing
 from typing import Any
 
@@ -48,18 +49,26 @@ class OpenAIServingEmbedding(OpenAIServing):
 
     async def create_embedding(self, request: EmbeddingRequest, raw_request: Request) -> Response:
         request.model = self.models.check(request.model)
+        return await self.answer(request, self._embeddings(request, raw_request))
+
+    async def answer(self, request: Any, body: Coroutine[Any, Any, dict]) -> Response:
+        """The JSON body ``body`` makes, or the error it raises: a client that hung up 499, bad
+        input 400 (OpenAI's error body), anything else 500."""
         try:
-            self.check_count(len(request.inputs()), "inputs", "input")
-            params = request.to_pooling_params()
-            prompts = [self._engine_prompt(p, request) for p in request.inputs()]
-            outputs = await until_disconnected(self._embed_all(prompts, params, request.priority), raw_request)
+            return JSONResponse(await body)
         except ClientDisconnected:
             return Response(status_code=499)
         except ValueError as exc:
             return self.bad_request(exc, request)
         except Exception as exc:
             return server_error_response(exc)
-        return JSONResponse(self._body(request, outputs))
+
+    async def _embeddings(self, request: EmbeddingRequest, raw_request: Request) -> dict:
+        self.check_count(len(request.inputs()), "inputs", "input")
+        params = request.to_pooling_params()
+        prompts = [self._engine_prompt(p, request) for p in request.inputs()]
+        outputs = await until_disconnected(self._embed_all(prompts, params, request.priority), raw_request)
+        return self._body(request, outputs)
 
     def _engine_prompt(self, prompt: str | list[int], request: EmbeddingRequest) -> Any:
         if isinstance(prompt, str) and not request.add_special_tokens:

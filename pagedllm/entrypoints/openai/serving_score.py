@@ -6,11 +6,10 @@ from __future__ import annotations
 from array import array
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from pagedllm.entrypoints.openai.errors import server_error_response
 from pagedllm.entrypoints.openai.protocol_embeddings import RerankRequest, ScoreRequest
-from pagedllm.entrypoints.openai.serving_common import ClientDisconnected, now_s, until_disconnected
+from pagedllm.entrypoints.openai.serving_common import now_s, until_disconnected
 from pagedllm.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from pagedllm.pooling_params import PoolingParams
 
@@ -20,49 +19,35 @@ class OpenAIServingScore(OpenAIServingEmbedding):
 
     async def create_score(self, request: ScoreRequest, raw_request: Request) -> Response:
         request.model = self.models.check(request.model)
-        try:
-            pairs = request.pairs()
-            scores, tokens = await self._similarities(pairs, request, raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except ValueError as exc:
-            return self.bad_request(exc, request)
-        except Exception as exc:
-            return server_error_response(exc)
-        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-        return JSONResponse(
-            {
-                "id": self.response_id(request),
-                "object": "list",
-                "created": now_s(),
-                "model": request.model,
-                "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
-            }
-        )
+        return await self.answer(request, self._score_body(request, raw_request))
 
     async def create_rerank(self, request: RerankRequest, raw_request: Request) -> Response:
         request.model = self.models.check(request.model)
-        try:
-            pairs = [(request.query, d) for d in request.documents]
-            scores, tokens = await self._similarities(pairs, request, raw_request)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except ValueError as exc:
-            return self.bad_request(exc, request)
-        except Exception as exc:
-            return server_error_response(exc)
+        return await self.answer(request, self._rerank_body(request, raw_request))
+
+    async def _score_body(self, request: ScoreRequest, raw_request: Request) -> dict:
+        scores, tokens = await self._similarities(request.pairs(), request, raw_request)
+        return {
+            "id": self.response_id(request),
+            "object": "list",
+            "created": now_s(),
+            "model": request.model,
+            "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        }
+
+    async def _rerank_body(self, request: RerankRequest, raw_request: Request) -> dict:
+        pairs = [(request.query, d) for d in request.documents]
+        scores, tokens = await self._similarities(pairs, request, raw_request)
         ranked = sorted(range(len(scores)), key=lambda i: -scores[i])
         top = ranked[: request.top_n] if request.top_n else ranked
         results = [{"index": i, "document": {"text": request.documents[i]}, "relevance_score": scores[i]} for i in top]
-        return JSONResponse(
-            {
-                "id": self.response_id(request),
-                "model": request.model,
-                "usage": {"total_tokens": tokens},
-                "results": results,
-            }
-        )
+        return {
+            "id": self.response_id(request),
+            "model": request.model,
+            "usage": {"total_tokens": tokens},
+            "results": results,
+        }
 
     async def _similarities(
         self, pairs: list[tuple[str, str]], request: ScoreRequest | RerankRequest, raw_request: Request
