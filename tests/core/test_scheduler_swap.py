@@ -8,7 +8,6 @@ restored from a stale slot or into the wrong block fails the KV check of the ste
 from __future__ import annotations
 
 import dataclasses
-
 from collections.abc import Iterator
 
 import pytest

@@ -304,7 +304,7 @@ def test_beams_share_full_blocks_and_copy_their_partial_tail(llama_model_dir, ma
         tables = [ids for ids, _, _ in step["reqs"].values()]
         assert len(tables) == width
         assert all(t[:5] == tables[0][:5] for t in tables), "the 5 full prompt blocks are shared"
-        for _, tokens, computed in step["reqs"].values():
+        for _, _, computed in step["reqs"].values():
             assert computed == 1  # the parent's full blocks are shared, its partial block copied
         full_prefixes = {
             tuple(tok[: block * (j + 1)]) for _, tok, _ in step["reqs"].values() for j in range(len(tok) // block)

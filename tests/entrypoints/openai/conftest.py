@@ -140,3 +140,11 @@ def tokenizer(server_model_dir):
     from pagedllm.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(str(server_model_dir))
+
+
+def assert_openai_error(resp: httpx.Response, status: int) -> dict:
+    """The response is ``status`` with an OpenAI error body; returns its ``error`` object."""
+    assert resp.status_code == status, resp.text
+    error = resp.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error

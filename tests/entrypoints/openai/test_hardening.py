@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from .conftest import RemoteServer
+from .conftest import RemoteServer, assert_openai_error
 
 KEY = "sk-harden"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -53,13 +53,6 @@ def srv(server_model_dir):
 def client(srv):
     with httpx.Client(base_url=srv.url, headers=AUTH, timeout=60) as c:
         yield c
-
-
-def assert_openai_error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
 
 
 def raw_request(srv: RemoteServer, head: bytes, body: bytes = b"") -> bytes:

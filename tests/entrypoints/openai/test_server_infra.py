@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedllm.entrypoints.openai.auth import key_matches, load_api_keys
 
-from .conftest import RemoteServer
+from .conftest import RemoteServer, assert_openai_error
 
 K1, K2 = "sk-key-one", "sk-key-two"
 AUTH = {"Authorization": f"Bearer {K1}"}
@@ -63,13 +63,6 @@ def srv(server_model_dir, tmp_path_factory):
 def client(srv):
     with httpx.Client(base_url=srv.url, headers=AUTH, timeout=30) as c:
         yield c
-
-
-def assert_openai_error(resp: httpx.Response, status: int) -> dict:
-    assert resp.status_code == status, resp.text
-    error = resp.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"]
-    return error
 
 
 # ---------------------------------------------------------------------------------- info routes
