@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -67,6 +68,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     # A pooling request: the engine embeds the prompt and ends it (sampling_params is unused).
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
