@@ -34,7 +34,11 @@ class EngineCore:
         self.executor.initialize_kv_cache(self.num_blocks)
         with phases.phase("scheduler"):
             self.scheduler = Scheduler(
-                config.scheduler_config, config.cache_config, self.num_blocks, config.speculative_config
+                config.scheduler_config,
+                config.cache_config,
+                self.num_blocks,
+                config.speculative_config,
+                max_loras=None if config.lora_config is None else config.lora_config.max_loras,
             )
             self.structured_output_manager = StructuredOutputManager(config, grammar_compiler)
         self.startup_seconds = time.perf_counter() - start

@@ -10,7 +10,7 @@ with the kernels built; every linear of the layers in one method, packed fp32, `
 ``w8a8`` (a bias only on qkv); no tensor parallelism; the attention layers' own Llama q/k path
 (Qwen3's per-head q/k norm is not); and an attention step whose every token is one query row on
 the paged decode kernel (decodes, speculative verification). Anything else runs the modules.
-``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules.
+``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules, and so does a step with LoRA adapter rows.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.int8 import Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
+from pagedllm.lora.context import current_lora_step
 
 
 @dataclass
@@ -81,9 +82,11 @@ class DecodeStack:
 
 
 def applies(metadata: Any, hidden: torch.Tensor) -> bool:
-    """Whether this step's batch can take the op: every token a row-wise query on the kernel."""
+    """Whether this step's batch can take the op: every token a row-wise query on the kernel,
+    and no LoRA adapter rows (the op cannot add their deltas: such steps run the modules)."""
     return (
-        isinstance(metadata, TorchAttentionMetadata)
+        current_lora_step() is None
+        and isinstance(metadata, TorchAttentionMetadata)
         and metadata.all_rowwise
         and metadata.decode_table is not None
         and hidden.dim() == 2
