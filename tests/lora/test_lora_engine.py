@@ -51,3 +51,60 @@ def test_subset_of_target_modules(llama_model_dir, make_adapter):
     got = _tokens(llm.generate([PROMPTS[0], PROMPTS[1]], GREEDY, use_tqdm=False, lora_request=loras))
     assert got == [hf_greedy(llama_model_dir, a, p, NEW_TOKENS) for a, p in zip([attn_only, mlp_only], PROMPTS)]
     assert_idle_and_intact(llm)
+
+
+def _manager(llm: LLM):
+    return llm.llm_engine.engine_core.executor.worker.model_runner.lora
+
+
+def test_one_slot_serves_three_adapters_by_eviction_and_reload(llama_model_dir, make_adapter):
+    paths = [make_adapter(llama_model_dir, seed=s) for s in (1, 2, 3)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    llm = _llm(llama_model_dir, max_loras=1, max_cpu_loras=1)
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[2]]
+    requests = [loras[0], loras[1], loras[2], loras[0]]
+    want = [hf_greedy(llama_model_dir, paths[r.lora_int_id - 1], p, NEW_TOKENS) for p, r in zip(prompts, requests)]
+    assert _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=requests)) == want
+    manager = _manager(llm)
+    first_loads = manager.num_loads
+    assert first_loads >= 3 and len(manager.host) == 1 and len(manager.slot_of) == 1
+    # Again, in reverse: every adapter is evicted and read back, with the same tokens.
+    got = _tokens(llm.generate(prompts[::-1], GREEDY, use_tqdm=False, lora_request=requests[::-1]))
+    assert got == want[::-1]
+    assert manager.num_loads > first_loads
+    assert_idle_and_intact(llm)
+
+
+def test_scheduler_runs_at_most_max_loras_adapters_per_step(llama_model_dir, make_adapter):
+    paths = [make_adapter(llama_model_dir, seed=s) for s in (1, 2, 3)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    llm = _llm(llama_model_dir, max_loras=2)
+    engine = llm.llm_engine
+    for i, lora in enumerate([loras[0], loras[1], loras[2], None, loras[0]]):
+        engine.add_request(str(i), PROMPTS[i % len(PROMPTS)], GREEDY, lora_request=lora)
+    scheduler = engine.engine_core.scheduler
+    seen = set()
+    while engine.has_unfinished_requests():
+        engine.step()
+        running = {r.lora_int_id for r in scheduler.running if r.lora_request is not None}
+        assert len(running) <= 2
+        seen |= running
+    assert seen == {1, 2, 3}
+    assert_idle_and_intact(llm)
+
+
+def test_prefix_cache_is_shared_within_an_adapter_only(llama_model_dir, make_adapter):
+    paths = [make_adapter(llama_model_dir, seed=s) for s in (1, 2)]
+    a, b = (LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths))
+    llm = _llm(llama_model_dir, enable_prefix_caching=True, block_size=16)
+    prompt = list(range(10, 60))  # three full blocks
+
+    def cached(lora) -> int:
+        out = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]
+        return out.num_cached_tokens
+
+    assert cached(a) == 0
+    assert cached(b) == 0  # another adapter: nothing shared
+    assert cached(None) == 0  # the base model shares nothing with either
+    assert cached(a) == 48 and cached(b) == 48 and cached(None) == 48  # the same adapter (or base) does
+    assert_idle_and_intact(llm)
