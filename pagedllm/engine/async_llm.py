@@ -175,6 +175,10 @@ class AsyncLLM:
             raise
         return queue
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError naming the adapter unless it fits the base model and the LoRA settings."""
+        self.input_processor.check_lora(lora_request)
+
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """Have the engine process compile the request's constraint (its one compile: the engine
         keeps it for the request); ValueError if it is invalid or too slow to compile."""

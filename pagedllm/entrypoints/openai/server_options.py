@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.chat_utils import load_chat_template
 from pagedllm.entrypoints.openai.auth import load_api_keys
@@ -23,6 +24,8 @@ class ServerOptions:
     return_tokens_as_token_ids: bool = False
     enable_tokenizer_info_endpoint: bool = False
     enable_server_load_tracking: bool = False
+    enable_lora_runtime_updates: bool = False
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (name, path), checked at start-up
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
@@ -38,6 +41,7 @@ class ServerOptions:
             waiting,
             _tool_call_parser(args),
             **{name: bool(getattr(args, name, False)) for name in _SWITCHES},
+            lora_modules=_lora_modules(args),
         )
 
 
@@ -46,7 +50,29 @@ _SWITCHES = (
     "return_tokens_as_token_ids",
     "enable_tokenizer_info_endpoint",
     "enable_server_load_tracking",
+    "enable_lora_runtime_updates",
 )
+
+
+def _lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``--lora-modules`` as (name, path) pairs: NAME=PATH or '{"name": ..., "path": ...}'."""
+    modules = [_lora_module(item) for item in getattr(args, "lora_modules", None) or []]
+    if (modules or getattr(args, "enable_lora_runtime_updates", False)) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
+    return modules
+
+
+def _lora_module(item: str) -> tuple[str, str]:
+    if item.lstrip().startswith("{"):
+        try:
+            spec = json.loads(item)
+            return str(spec["name"]), str(spec["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f'--lora-modules {item!r}: a JSON module needs "name" and "path"') from None
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {item!r}: write NAME=PATH (the adapter's name and its directory)")
+    return name, path
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:
