@@ -344,6 +344,9 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
         )
         self.num_preemptions = 0
+        if self.max_loras is not None:
+            stats.running_lora_adapters = _adapter_counts(self.running)
+            stats.waiting_lora_adapters = _adapter_counts([*self.waiting, *self.compiling])
         if self.spec_stats is not None and self.spec_stats.num_drafts:
             stats.spec_decoding, self.spec_stats = self.spec_stats, SpecDecodingStats()
         return stats
@@ -357,3 +360,12 @@ class Scheduler:
         leaked = [rid for rid in self.kv_cache_manager.req_to_blocks if rid not in live]
         if leaked:
             raise RuntimeError(f"blocks still held by requests that are not running: {leaked}")
+
+
+def _adapter_counts(requests: list[Request]) -> dict[str, int]:
+    """LoRA adapter name -> how many of ``requests`` run with it."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            counts[request.lora_request.lora_name] = counts.get(request.lora_request.lora_name, 0) + 1
+    return counts

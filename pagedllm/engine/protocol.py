@@ -144,6 +144,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     num_preemptions: int = 0  # this step
     num_scheduled_tokens: int = 0  # tokens the model computed this step; 0 when no model step ran
     spec_decoding: SpecDecodingStats | None = None  # None when speculation is off or idle
+    # LoRA adapter name -> its running / waiting requests (empty without LoRA adapters in use)
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
