@@ -18,8 +18,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from pagedllm.config import LoRAConfig
+from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.linear import LinearBase
-from pagedllm.lora.layers import LoRASlots, LoRAStep, step_mask
+from pagedllm.lora.layers import LoRASlots, LoRAStep, make_step
 from pagedllm.lora.peft_files import TARGET_MODULES, WEIGHTS_FILE, check_adapter
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model_arch import ModelArchConfig
@@ -33,13 +34,15 @@ def attach_lora_slots(
     model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device
 ) -> dict[tuple[int, str], LoRASlots]:
     """Give every decoder layer's qkv, o, gate_up and down linear its slots (``layer.lora``)."""
+    ops = cpu_ops() if device.type == "cpu" and dtype == torch.float32 else None
+    kernel = None if ops is None else ops.lora_add_
     slots = {}
     for name, module in model.named_modules():
         match = _WRAPPED.search(name)
         if match is None or not isinstance(module, LinearBase):
             continue
         module.lora = LoRASlots(
-            module.input_size, module.output_sizes, config.max_loras, config.max_lora_rank, dtype, device
+            module.input_size, module.output_sizes, config.max_loras, config.max_lora_rank, dtype, device, kernel
         )
         slots[(int(match.group(1)), match.group(2))] = module.lora
     if not slots:
@@ -66,7 +69,7 @@ class LoRAModelManager:
         for lora_id, slot in self.activate(requests).items():
             slot_table[lora_id] = slot
         token_slots = torch.from_numpy(slot_table[token_lora_ids]).to(self.device)
-        return LoRAStep(step_mask(token_slots, self.config.max_loras, self.config.max_lora_rank, self.dtype))
+        return make_step(token_slots, self.config.max_loras, self.config.max_lora_rank, self.dtype)
 
     def activate(self, requests: dict[int, LoRARequest]) -> dict[int, int]:
         """lora_int_id -> slot for every adapter of the step, loading those not in a slot."""
