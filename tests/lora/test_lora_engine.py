@@ -108,3 +108,30 @@ def test_prefix_cache_is_shared_within_an_adapter_only(llama_model_dir, make_ada
     assert cached(None) == 0  # the base model shares nothing with either
     assert cached(a) == 48 and cached(b) == 48 and cached(None) == 48  # the same adapter (or base) does
     assert_idle_and_intact(llm)
+
+
+def test_decode_steps_with_adapters_run_the_cpu_decode_stack(llama_model_dir, make_adapter):
+    """The one-call C++ decode stack adds the adapters' deltas itself: decode steps with adapter
+    rows take it (on CPU float32 with the kernels built), with the PEFT tokens."""
+    from pagedllm.layers import cpu_decode_stack
+
+    path = make_adapter(llama_model_dir, seed=1)
+    llm = _llm(llama_model_dir)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    calls = []
+    original = cpu_decode_stack.DecodeStack.__call__
+
+    def counting(self, hidden, positions, metadata):
+        calls.append(self.lora_a != [])
+        return original(self, hidden, positions, metadata)
+
+    cpu_decode_stack.DecodeStack.__call__ = counting  # type: ignore[method-assign]
+    try:
+        got = _tokens(llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False, lora_request=LoRARequest("a", 1, str(path))))
+    finally:
+        cpu_decode_stack.DecodeStack.__call__ = original  # type: ignore[method-assign]
+    if model.model.decode_stack() is None:
+        pytest.skip("the CPU decode stack does not apply here (no kernels)")
+    assert calls and all(calls), "decode steps must run the stack, with the LoRA tensors"
+    assert got == [hf_greedy(llama_model_dir, path, PROMPTS[0], NEW_TOKENS)]
+    assert_idle_and_intact(llm)
