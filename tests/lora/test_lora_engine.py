@@ -22,7 +22,7 @@ def _tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_three_adapters_and_base_in_one_batch_match_peft(arch, tiny_model_dir, make_adapter):
     base = tiny_model_dir(arch)
     adapters = [
