@@ -8,7 +8,8 @@ or a projection the adapter does not target, leaves zeros. A step adds to ``y = 
 token t running the adapter in slot s, ``y[t, proj_i] += B_i[s]^T (A_i[s] x[t])``:
 
 - on CPU in float32, the C++ kernel ``lora_add_`` (``csrc/cpu_lora.cpp``): per token, its own
-  slot's shrink and expand, base-model tokens skipped (one call per layer);
+  slot's shrink and expand, base-model tokens skipped (one call per layer); on CUDA the Triton
+  kernel of the same signature (``lora/triton_lora.py``, tested under Triton's interpreter);
 - elsewhere, torch: ``((x A^T) * mask) B_i`` where ``mask[t, s * R + r]`` is 1 when token t runs
   slot s: one shrink GEMM for every slot, the other slots' columns zeroed, one expand GEMM per
   projection. No grouping or index copies, at S times the FLOPs of the tokens' own adapters.
@@ -41,7 +42,7 @@ def make_step(token_slots: torch.Tensor, max_loras: int, max_rank: int, dtype: t
 class LoRASlots:
     """The adapters' A and B of one linear layer (plain tensors: not parameters, not in the
     model's state dict). ``output_sizes``: the fused projections' output sizes, in shard order.
-    ``kernel``: the CPU op ``lora_add_`` (float32 on CPU with the kernels built), else None."""
+    ``kernel``: a ``lora_add_`` (``manager.delta_kernel``: C++ on CPU float32, Triton on CUDA), else None."""
 
     def __init__(
         self,

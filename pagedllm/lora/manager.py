@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,8 +36,7 @@ def attach_lora_slots(
     model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device
 ) -> dict[tuple[int, str], LoRASlots]:
     """Give every decoder layer's qkv, o, gate_up and down linear its slots (``layer.lora``)."""
-    ops = cpu_ops() if device.type == "cpu" and dtype == torch.float32 else None
-    kernel = None if ops is None else ops.lora_add_
+    kernel = delta_kernel(device, dtype)
     slots = {}
     for name, module in model.named_modules():
         match = _WRAPPED.search(name)
@@ -48,6 +49,21 @@ def attach_lora_slots(
     if not slots:
         raise ValueError(f"{type(model).__name__} has no LoRA-capable linear layers; serve it without --enable-lora")
     return slots
+
+
+def delta_kernel(device: torch.device, dtype: torch.dtype) -> Callable[..., Any] | None:
+    """The LoRA delta kernel for the device: the C++ op on CPU float32, Triton on CUDA; None: the
+    torch path (``LoRASlots.add_delta``)."""
+    if device.type == "cpu":
+        ops = cpu_ops() if dtype == torch.float32 else None
+        return None if ops is None else ops.lora_add_
+    if device.type == "cuda":
+        try:
+            from pagedllm.lora.triton_lora import lora_add_
+        except ImportError:
+            return None
+        return lora_add_
+    return None
 
 
 class LoRAModelManager:
