@@ -135,3 +135,14 @@ def test_decode_steps_with_adapters_run_the_cpu_decode_stack(llama_model_dir, ma
     assert calls and all(calls), "decode steps must run the stack, with the LoRA tensors"
     assert got == [hf_greedy(llama_model_dir, path, PROMPTS[0], NEW_TOKENS)]
     assert_idle_and_intact(llm)
+
+
+def test_adapters_under_speculative_decoding(llama_model_dir, make_adapter):
+    """n-gram proposals are verified by the adapter's model: the tokens stay PEFT's."""
+    paths = [make_adapter(llama_model_dir, seed=s) for s in (1, 2)]
+    loras = [LoRARequest(f"a{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    llm = _llm(llama_model_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompts = [PROMPTS[3], PROMPTS[3], PROMPTS[3]]  # repetitive: the n-gram proposer has matches
+    got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[loras[0], None, loras[1]]))
+    assert got == [hf_greedy(llama_model_dir, p, PROMPTS[3], NEW_TOKENS) for p in (paths[0], None, paths[1])]
+    assert_idle_and_intact(llm)

@@ -111,3 +111,19 @@ def test_unload_refuses_in_flight_then_unloads(server, adapters):
 def test_lora_metrics(server):
     text = httpx.get(server.url_for("metrics")).text
     assert "vllm:lora_requests_info{" in text and 'max_lora="3"' in text
+
+
+def test_lora_server_flags():
+    import argparse
+
+    from pagedllm.entrypoints.openai.server_options import ServerOptions
+
+    def options(**kw) -> ServerOptions:
+        return ServerOptions.from_args(argparse.Namespace(model="m", **kw))
+
+    parsed = options(enable_lora=True, lora_modules=["a=/x", '{"name": "b", "path": "/y"}'])
+    assert parsed.lora_modules == [("a", "/x"), ("b", "/y")]
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        options(enable_lora=True, lora_modules=["nopath"])
+    with pytest.raises(ValueError, match="--enable-lora"):
+        options(lora_modules=["a=/x"])
