@@ -7,8 +7,8 @@ projections (q, k, v, o, gate, up, down; written as PEFT directories at start). 
 holding ``batch`` running requests, stepped in turn every round so all see the same machine state:
 
 - ``base``: LoRA off (decode steps run the one-call C++ decode stack);
-- ``base, modules``: LoRA off, layer by layer (``PAGEDLLM_CPU_DECODE_STACK=0``), the path every
-  step with adapter rows takes;
+- ``base, modules``: LoRA off, layer by layer (``PAGEDLLM_CPU_DECODE_STACK=0``), for reference
+  (steps with adapter rows keep the stack: it adds the deltas itself);
 - ``lora on, base rows``: ``--enable-lora`` but every request on the base model (the stack runs);
 - ``mixed``: ``--enable-lora --max-loras A``, the requests spread round-robin over A adapters;
 - ``one adapter``: batch / A requests of one adapter, the step of serving adapter by adapter
