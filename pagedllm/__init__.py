@@ -19,6 +19,7 @@ _LAZY = {
     "BeamSearchSequence": "pagedllm.beam_search",
     "EngineArgs": "pagedllm.config",
     "LLMEngine": "pagedllm.engine.llm_engine",
+    "LoRARequest": "pagedllm.lora.request",
 }
 
 __all__ = list(_LAZY) + ["__version__"]

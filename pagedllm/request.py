@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from pagedllm.engine.protocol import EngineCoreRequest, FinishReason
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -56,6 +57,7 @@ class Request:
         priority: int = 0,
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -65,6 +67,7 @@ class Request:
         self.priority = priority
         self.cache_salt = cache_salt
         self.pooling_params = pooling_params  # a pooling request: it ends when its prompt is computed
+        self.lora_request = lora_request  # the adapter it runs with; None: the base model
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
@@ -91,6 +94,7 @@ class Request:
             req.priority,
             req.cache_salt,
             req.pooling_params,
+            req.lora_request,
         )
 
     @property
@@ -121,6 +125,11 @@ class Request:
         if self.sampling_params.prompt_logprobs is not None:
             return True
         return self.pooling_params is not None and self.pooling_params.needs_every_position
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
 
     def append_output_token_ids(self, token_ids: list[int]) -> None:
         self.output_token_ids.extend(token_ids)

@@ -10,6 +10,7 @@ from pagedllm.config.cache import DEFAULT_CPU_KV_CACHE_GIB, CacheArgs, CacheConf
 from pagedllm.config.device import DeviceArgs
 from pagedllm.config.engine import ENGINE_TOPICS, EngineArgs, EngineConfig, check_kv_budget
 from pagedllm.config.frontend import FrontendArgs
+from pagedllm.config.lora import LoRAArgs, LoRAConfig
 from pagedllm.config.model import DEMO_MODEL_NAME, LoadArgs, ModelArgs, ModelConfig
 from pagedllm.config.options import GiB
 from pagedllm.config.parallel import ParallelArgs, ParallelConfig
@@ -35,6 +36,8 @@ __all__ = [
     "EngineConfig",
     "FrontendArgs",
     "LoadArgs",
+    "LoRAArgs",
+    "LoRAConfig",
     "ModelArgs",
     "ModelConfig",
     "ParallelArgs",

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 from pagedllm.config.cache import DEFAULT_CPU_KV_CACHE_GIB, CacheArgs, CacheConfig
 from pagedllm.config.choices import USAGE_CONTEXTS
 from pagedllm.config.device import DeviceArgs
+from pagedllm.config.lora import LoRAArgs, LoRAConfig
 from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
 from pagedllm.config.options import GiB
 from pagedllm.config.parallel import ParallelArgs, ParallelConfig
@@ -35,6 +36,7 @@ class EngineConfig:
     structured_outputs_config: StructuredOutputsConfig = StructuredOutputsConfig()
     speculative_config: SpeculativeConfig | None = None
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs (decode runs eagerly, as on CPU)
+    lora_config: LoRAConfig | None = None  # None: LoRA off
 
     def kv_bytes_per_block(self) -> int:
         """Target layers plus, with a draft model, its layers: both share every block table. An
@@ -70,11 +72,13 @@ ENGINE_TOPICS: tuple[type, ...] = (
     DeviceArgs,
     StructuredOutputsArgs,
     SpeculativeArgs,
+    LoRAArgs,
 )
 
 
 @dataclass
 class EngineArgs(
+    LoRAArgs,
     SpeculativeArgs,
     StructuredOutputsArgs,
     DeviceArgs,
@@ -107,6 +111,8 @@ class EngineArgs(
             raise ValueError(
                 "speculative decoding speeds up generation; an embedding (pooling) engine generates nothing: drop --speculative-config"
             )
+        if runner == "pooling" and self.enable_lora:
+            raise ValueError("LoRA adapters serve generation; an embedding (pooling) engine cannot: drop --enable-lora")
         if runner == "pooling":
             model_config = replace(
                 model_config, runner=runner, pooler_config=self.create_pooler_config(model_dir, arch)
@@ -125,6 +131,7 @@ class EngineArgs(
             self.create_structured_outputs_config(),
             self.create_speculative_config(arch, model_config.max_model_len),
             enforce_eager=bool(self.enforce_eager),
+            lora_config=self.create_lora_config(),
         )
         check_kv_budget(config)
         return config

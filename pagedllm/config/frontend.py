@@ -74,6 +74,18 @@ class FrontendArgs:
         "before cancelling them",
         metavar="SECONDS",
     )
+    lora_modules: list[str] | None = option(
+        None,
+        "LoRA adapters served by name (needs --enable-lora): NAME=PATH, or vLLM's JSON "
+        '\'{"name": NAME, "path": PATH}\'; a request names one in its model field',
+        default_help="none",
+        metavar="NAME=PATH",
+        nargs="+",
+    )
+    enable_lora_runtime_updates: bool = option(
+        False,
+        "serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM: VLLM_ALLOW_RUNTIME_LORA_UPDATING)",
+    )
     max_waiting_requests: int = option(
         1024,
         "admit at most max_num_seqs + this many generation requests at once; beyond that new ones get 503 "

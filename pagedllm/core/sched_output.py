@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -22,6 +23,7 @@ class NewRequestData:
     block_ids: list[int]
     num_computed_tokens: int
     pooling_params: PoolingParams | None = None  # a pooling request: embed the prompt, sample nothing
+    lora_request: LoRARequest | None = None  # the adapter its rows run with (None: the base model)
 
 
 @dataclass

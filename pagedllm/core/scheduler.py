@@ -46,8 +46,10 @@ class Scheduler:
         num_blocks: int,
         speculative_config: SpeculativeConfig | None = None,
         num_swap_blocks: int = 0,
+        max_loras: int | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.max_loras = max_loras  # distinct LoRA adapters the running requests may use; None: LoRA off
         # Slots past the scheduled tokens that a draft model writes its own KV into.
         self.num_lookahead_tokens = 0 if speculative_config is None else speculative_config.num_lookahead_tokens
         self.spec_stats = SpecDecodingStats() if speculative_config is not None else None
@@ -205,8 +207,19 @@ class Scheduler:
         self.waiting.prepend(request)
 
     def _schedule_waiting(self, plan: StepPlan) -> None:
+        lora_waits: list[Request] = []  # adapter requests set aside: no slot for their adapter
+        try:
+            self._admit_waiting(plan, lora_waits)
+        finally:
+            for request in reversed(lora_waits):  # back in front, in their order
+                self.waiting.prepend(request)
+
+    def _admit_waiting(self, plan: StepPlan, lora_waits: list[Request]) -> None:
         while len(self.waiting) and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self._lora_fits(request, lora_waits):
+                lora_waits.append(self.waiting.pop())
+                continue
             computed_blocks, num_computed = self._lookup_prefix(request)
             num_new = self._num_new_tokens(request.num_tokens - num_computed, plan)
             if not self.config.chunked_prefill and num_new < request.num_tokens - num_computed:
@@ -219,6 +232,17 @@ class Scheduler:
             self.waiting.pop()
             self._admit(request, num_computed, plan)
             plan.add(request, num_new, block_ids)
+
+    def _lora_fits(self, request: Request, lora_waits: list[Request]) -> bool:
+        """Whether admitting ``request`` keeps the running adapters within ``max_loras``. Once an
+        adapter request waits for a slot, no later adapter request overtakes it (base-model ones
+        may): the running adapters drain and it gets the next free slot, so none starves."""
+        if self.max_loras is None or request.lora_request is None:
+            return True
+        if lora_waits:
+            return False
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return request.lora_int_id in running or len(running) < self.max_loras
 
     def _lookup_prefix(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         if request.needs_every_prompt_position:
@@ -324,6 +348,9 @@ class Scheduler:
             kv_swap_in_blocks=swapped_in,
         )
         self.num_preemptions = 0
+        if self.max_loras is not None:
+            stats.running_lora_adapters = _adapter_counts(self.running)
+            stats.waiting_lora_adapters = _adapter_counts([*self.waiting, *self.compiling])
         if self.spec_stats is not None and self.spec_stats.num_drafts:
             stats.spec_decoding, self.spec_stats = self.spec_stats, SpecDecodingStats()
         return stats
@@ -337,3 +364,12 @@ class Scheduler:
         leaked = [rid for rid in self.kv_cache_manager.req_to_blocks if rid not in live]
         if leaked:
             raise RuntimeError(f"blocks still held by requests that are not running: {leaked}")
+
+
+def _adapter_counts(requests: list[Request]) -> dict[str, int]:
+    """LoRA adapter name -> how many of ``requests`` run with it."""
+    counts: dict[str, int] = {}
+    for request in requests:
+        if request.lora_request is not None:
+            counts[request.lora_request.lora_name] = counts.get(request.lora_request.lora_name, 0) + 1
+    return counts

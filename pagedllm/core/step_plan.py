@@ -55,6 +55,7 @@ def build_scheduler_output(
             plan.new_block_ids[r.request_id],
             r.num_computed_tokens,
             r.pooling_params,
+            r.lora_request,
         )
         for r in plan.new_reqs
     ]

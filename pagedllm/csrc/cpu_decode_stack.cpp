@@ -6,6 +6,8 @@
 // but the Python around them (module calls, views, dispatch) ran ~20 ms per step on a 30-layer
 // model at batch 1 (a third of the step on an AVX2 machine), much of it on caches that the
 // weights streaming past have just emptied. One C++ call per step removes it.
+// With LoRA (lora_slots given), each linear adds its adapters' deltas right after its GEMM
+// (lora_add_, cpu_lora.cpp), as LinearBase.add_lora does in the modules.
 // Op: decode_stack_ (layers/cpu_decode_stack.py decides when it applies).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -32,10 +34,24 @@ struct Layers {
   const std::vector<int64_t>& windows;
   Method method;
   int64_t w8a8_path;
+  // LoRA: per linear its stacked A, per projection its B (7 per layer: q, k, v, o, gate, up, down).
+  at::TensorList lora_a, lora_b;
+  const std::optional<at::Tensor>& lora_slots;
+  int64_t max_loras, max_rank;
 
-  // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, as the layer's quant_method applies it.
+  // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, as the layer's quant_method applies it,
+  // plus the step's LoRA deltas.
   at::Tensor linear(size_t i, int j, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
-    const size_t at = 4 * i + j;
+    at::Tensor y = gemm(4 * i + j, x, bias);
+    if (lora_slots.has_value()) {
+      static constexpr int kFirstB[4] = {0, 3, 4, 6}, kNumB[4] = {3, 1, 2, 1};
+      lora_add_(y, x, lora_a[4 * i + j], lora_b.slice(7 * i + kFirstB[j], kNumB[j]), *lora_slots, max_loras,
+                max_rank);
+    }
+    return y;
+  }
+
+  at::Tensor gemm(size_t at, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
     switch (method) {
       case Method::kInt8:
         return packed_linear_int8(x, linears[at], *scales[at], bias);
@@ -84,18 +100,22 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
                          at::TensorList kv_cache, std::vector<int64_t> windows, at::Tensor final_norm,
                          at::Tensor cos_sin_cache, at::Tensor slot_mapping, at::Tensor block_table,
                          at::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
-                         double eps) {
+                         double eps, at::TensorList lora_a, at::TensorList lora_b,
+                         std::optional<at::Tensor> lora_slots, int64_t max_loras, int64_t max_rank) {
   const size_t n = input_norm.size();
   TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
                   linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
               "decode_stack_: every per-layer list needs one entry per layer (", n, "), the linears four");
   TORCH_CHECK(method >= 0 && method <= 2, "decode_stack_: method must be 0 (packed), 1 (int8) or 2 (w8a8)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
+  TORCH_CHECK(!lora_slots.has_value() || (lora_a.size() == 4 * n && lora_b.size() == 7 * n),
+              "decode_stack_: LoRA needs one A per linear and one B per projection (7 per layer)");
   const Method m = static_cast<Method>(method);
   for (size_t j = 0; j < linears.size(); ++j)
     TORCH_CHECK(m == Method::kPacked || (scales[j].has_value() && (m == Method::kInt8 || comps[j].has_value())),
                 "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation) of its method");
-  const Layers w{input_norm, post_norm, kv_cache, linears, scales, comps, qkv_bias, windows, m, w8a8_path};
+  const Layers w{input_norm, post_norm, kv_cache, linears, scales, comps, qkv_bias, windows,
+                 m, w8a8_path, lora_a, lora_b, lora_slots, max_loras, max_rank};
   at::Tensor residual;
   for (size_t i = 0; i < n; ++i)
     decoder_layer(hidden, residual, w, i, positions, cos_sin_cache, slot_mapping, block_table, seq_lens, heads,
@@ -110,7 +130,8 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("decode_stack_(Tensor(a!) hidden, Tensor positions, Tensor[] input_norm, Tensor[] post_norm, "
         "Tensor[] linears, Tensor?[] scales, Tensor?[] comps, Tensor?[] qkv_bias, int method, int w8a8_path, "
         "Tensor(b!)[] kv_cache, int[] windows, Tensor final_norm, Tensor cos_sin_cache, Tensor slot_mapping, "
-        "Tensor block_table, Tensor seq_lens, int heads, int kv_heads, int head_dim, float scale, float eps) -> Tensor");
+        "Tensor block_table, Tensor seq_lens, int heads, int kv_heads, int head_dim, float scale, float eps, "
+        "Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_slots, int max_loras, int max_rank) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {

@@ -21,6 +21,7 @@ from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import SchedulerStats
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.lora.request import LoRARequest
 from pagedllm.metrics.startup import StartupPhases
 from pagedllm.metrics.stats import IterationStats, IterationStatsTracker, StatLogger
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
@@ -84,9 +85,12 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         strict_max_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs for one request. Cancelling the consumer aborts the request."""
-        queue = await self.add_request(request_id, prompt, sampling_params, priority, cache_salt, strict_max_tokens)
+        queue = await self.add_request(
+            request_id, prompt, sampling_params, priority, cache_salt, strict_max_tokens, lora_request
+        )
         finished = False
         try:
             while not finished:
@@ -138,6 +142,7 @@ class AsyncLLM:
         priority: int = 0,
         cache_salt: str | None = None,
         strict_max_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> asyncio.Queue:
         """Validate (raises ValueError), then queue the request in the engine."""
         self._check_alive()
@@ -151,6 +156,7 @@ class AsyncLLM:
             cache_salt=cache_salt,
             strict_max_tokens=strict_max_tokens,
             check_grammar=False,
+            lora_request=lora_request,
         )
         await self.check_structured_outputs(params)
         if request_id in self._queues:  # taken while the grammar compiled
@@ -168,6 +174,10 @@ class AsyncLLM:
             await asyncio.shield(self.abort(request_id))
             raise
         return queue
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError naming the adapter unless it fits the base model and the LoRA settings."""
+        self.input_processor.check_lora(lora_request)
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """Have the engine process compile the request's constraint (its one compile: the engine

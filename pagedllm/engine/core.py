@@ -39,6 +39,7 @@ class EngineCore:
                 self.num_blocks,
                 config.speculative_config,
                 num_swap_blocks=config.num_swap_blocks(),
+                max_loras=None if config.lora_config is None else config.lora_config.max_loras,
             )
             self.structured_output_manager = StructuredOutputManager(config, grammar_compiler)
         self.startup_seconds = time.perf_counter() - start

@@ -9,6 +9,8 @@ from typing import Any
 from pagedllm.config import EngineConfig
 from pagedllm.engine.protocol import EngineCoreRequest
 from pagedllm.engine.tokenizer import generation_eos_token_ids
+from pagedllm.lora.peft_files import AdapterSpec, check_adapter
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import RequestOutputKind, SamplingParams
 from pagedllm.structured_output.manager import make_grammar_compiler
@@ -31,6 +33,7 @@ class InputProcessor:
         # Compiles each new constraint once, off the engine loop, to reject bad ones at intake.
         self.grammar_compiler = make_grammar_compiler(config, tokenizer)
         self.pooler_config = config.model_config.pooler_config  # None: a generation engine
+        self._adapters: dict[LoRARequest, AdapterSpec] = {}  # adapters already checked
 
     def tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         return tokenize_prompt(self.tokenizer, prompt)
@@ -45,6 +48,7 @@ class InputProcessor:
         cache_salt: str | None = None,
         strict_max_tokens: bool = False,
         check_grammar: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Validate and build the core request. ``strict_max_tokens``: too-long max_tokens is an
         error (the server's behaviour) instead of being capped by max_model_len. ``check_grammar``:
@@ -53,6 +57,8 @@ class InputProcessor:
         self._check_runner("generate")
         self._check_priority(priority)
         self._check_logprobs(params)
+        if lora_request is not None:
+            self.check_lora(lora_request)
         if check_grammar and params.structured_outputs is not None:
             self.grammar_compiler.check(params.structured_outputs)
         cache_salt = _cache_salt(prompt, cache_salt)
@@ -68,8 +74,25 @@ class InputProcessor:
             arrival_time if arrival_time is not None else time.monotonic(),
             priority,
             cache_salt,
+            lora_request=lora_request,
         )
         return request, text
+
+    def check_lora(self, lora: LoRARequest) -> AdapterSpec:
+        """The adapter checked against the base model (once per request object): ValueError
+        naming it when LoRA is off, or its files, rank, targets or shapes do not fit."""
+        spec = self._adapters.get(lora)
+        if spec is not None:
+            return spec
+        lora_config = self.config.lora_config
+        if lora_config is None:
+            raise ValueError(
+                f"LoRA adapter {lora.lora_name!r} was requested, but this engine runs without LoRA: start it "
+                "with --enable-lora (LLM(..., enable_lora=True))"
+            )
+        spec = check_adapter(lora.lora_name, lora.lora_path, self.config.model_config.arch, lora_config.max_lora_rank)
+        self._adapters[lora] = spec
+        return spec
 
     def process_pooling(
         self,

@@ -10,6 +10,7 @@ from pagedllm.engine.core import EngineCore
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.tokenizer import load_tokenizer
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -41,9 +42,12 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Validate, tokenize and queue one request (n > 1 fans out into n child requests)."""
-        request, text = self.input_processor.process(request_id, prompt, params, arrival_time, priority, cache_salt)
+        request, text = self.input_processor.process(
+            request_id, prompt, params, arrival_time, priority, cache_salt, lora_request=lora_request
+        )
         for core_request in self.output_processor.fan_out(request, text):
             self.engine_core.add_request(core_request)
 

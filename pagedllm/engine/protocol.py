@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -67,6 +68,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     cache_salt: str | None = None
     # A pooling request: the engine embeds the prompt and ends it (sampling_params is unused).
     pooling_params: PoolingParams | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):
@@ -144,6 +146,9 @@ class SchedulerStats(msgspec.Struct, omit_defaults=True):
     kv_swap_out_blocks: int = 0  # evicted prefix-cache blocks copied to the swap tier this step
     kv_swap_in_blocks: int = 0  # tier hits copied back into KV blocks this step
     spec_decoding: SpecDecodingStats | None = None  # None when speculation is off or idle
+    # LoRA adapter name -> its running / waiting requests (empty without LoRA adapters in use)
+    running_lora_adapters: dict[str, int] = {}
+    waiting_lora_adapters: dict[str, int] = {}
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):

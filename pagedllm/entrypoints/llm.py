@@ -21,6 +21,7 @@ from pagedllm.demo.demo_model import with_demo_model
 from pagedllm.engine.input_processor import PromptType
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.chat_utils import render_chat_ids
+from pagedllm.lora.request import LoRARequest
 from pagedllm.outputs import EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
@@ -58,20 +59,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """One output per prompt, in prompt order. A prompt is text, token ids, or a dict with
         ``"prompt"`` or ``"prompt_token_ids"`` and optionally ``"cache_salt"`` (prompts with
-        different salts never share prefix-cache blocks; equal salts do)."""
+        different salts never share prefix-cache blocks; equal salts do). ``lora_request``: one
+        adapter for every prompt, or one (or None: the base model) per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = _per_prompt(priority, len(prompts), "priority") if priority is not None else [0] * len(prompts)
+        loras = _per_prompt_lora(lora_request, len(prompts))
         if any(p.use_beam_search for p in params):
+            if any(lora is not None for lora in loras):
+                raise ValueError("beam search with a LoRA adapter is not supported; drop lora_request or beam search")
             return self._generate_with_beams(prompts, params, priorities, use_tqdm)
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for prompt, p, prio, lora in zip(prompts, params, priorities, loras):
                 ids.append(self.llm_engine.next_request_id())
-                self.llm_engine.add_request(ids[-1], prompt, p, priority=prio)
+                self.llm_engine.add_request(ids[-1], prompt, p, priority=prio, lora_request=lora)
         except Exception:
             self.llm_engine.abort_request(ids)  # one bad prompt must not leave the others queued
             raise
@@ -251,6 +257,16 @@ def _per_prompt(value: Any, n: int, name: str, default: type = SamplingParams) -
             raise ValueError(f"{name} has {len(value)} entries but there are {n} prompts; pass one or one per prompt")
         return list(value)
     return [value] * n
+
+
+def _per_prompt_lora(value: Any, n: int) -> list[LoRARequest | None]:
+    """One adapter (or None) per prompt, from one for all or a sequence of n."""
+    if value is None or isinstance(value, LoRARequest):
+        return [value] * n
+    loras = list(value)
+    if len(loras) != n or not all(v is None or isinstance(v, LoRARequest) for v in loras):
+        raise ValueError(f"lora_request must be one LoRARequest or a list of {n} (one per prompt, None for the base)")
+    return loras
 
 
 def _progress_bar(total: int):

@@ -39,8 +39,13 @@ def hash_block_tokens(
 
 
 def _first_block_extra_keys(request: Request) -> tuple | None:
-    # The salt goes into the first block only: chaining carries it into every later hash.
-    return None if request.cache_salt is None else (request.cache_salt,)
+    # The salt and the LoRA adapter go into the first block only: chaining carries them into
+    # every later hash, so two adapters (or an adapter and the base model) never share a block.
+    keys: tuple = () if request.cache_salt is None else (request.cache_salt,)
+    lora = request.lora_request
+    if lora is not None:
+        keys += (("lora", lora.lora_int_id, lora.lora_name),)
+    return keys or None
 
 
 def update_request_block_hashes(request: Request, block_size: int) -> None:

@@ -10,12 +10,14 @@ with the kernels built; every linear of the layers in one method, packed fp32, `
 ``w8a8`` (a bias only on qkv); no tensor parallelism; the attention layers' own Llama q/k path
 (Qwen3's per-head q/k norm is not); and an attention step whose every token is one query row on
 the paged decode kernel (decodes, speculative verification). Anything else runs the modules.
-``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules.
+``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules. With LoRA slots on the linears (CPU
+float32, the LoRA kernel built) the op adds the step's adapter deltas after each linear, with the
+same kernel (``lora_add_``) the modules call.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import torch
@@ -28,6 +30,7 @@ from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.int8 import Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
+from pagedllm.lora.context import current_lora_step
 
 
 @dataclass
@@ -51,9 +54,16 @@ class DecodeStack:
     head_dim: int
     scale: float
     eps: float
+    # LoRA (empty without): per linear its slots' stacked A, per projection its B (lora/layers.py)
+    lora_a: list[torch.Tensor] = field(default_factory=list)
+    lora_b: list[torch.Tensor] = field(default_factory=list)
+    max_loras: int = 0
+    max_rank: int = 0
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
-        """The stack's final hidden states for the embedded tokens ``hidden`` [T, H] (consumed)."""
+        """The stack's final hidden states for the embedded tokens ``hidden`` [T, H] (consumed);
+        with LoRA adapter rows in the step, each linear adds their deltas."""
+        lora = current_lora_step()
         return self.op(
             hidden,
             positions,
@@ -77,6 +87,11 @@ class DecodeStack:
             self.head_dim,
             self.scale,
             self.eps,
+            self.lora_a,
+            self.lora_b,
+            None if lora is None else lora.token_slots,
+            self.max_loras,
+            self.max_rank,
         )
 
 
@@ -108,6 +123,9 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
     if len(methods) != 1:
         return None
     method = cast(int, methods.pop())
+    lora = _lora_tensors(linears)
+    if lora is None:
+        return None
     attn = layers[0].self_attn
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm]
     if len({n.eps for n in norms}) != 1 or any(not _cpu_fp32(n.weight) for n in norms):
@@ -140,7 +158,25 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
         head_dim=head_dim,
         scale=scale,
         eps=model.norm.eps,
+        **lora,
     )
+
+
+def _lora_tensors(linears: list[Any]) -> dict[str, Any] | None:
+    """The linears' LoRA slots as the op takes them ({} without LoRA), or None when some linear
+    has slots the op cannot run (no C++ LoRA kernel: not CPU float32)."""
+    maybe_slots = [getattr(lin, "lora", None) for lin in linears]
+    if all(s is None for s in maybe_slots):
+        return {}
+    slots = [s for s in maybe_slots if s is not None and s.kernel is not None]
+    if len(slots) != len(maybe_slots):
+        return None
+    return {
+        "lora_a": [s.a for s in slots],
+        "lora_b": [b for s in slots for b in s.b],
+        "max_loras": slots[0].max_loras,
+        "max_rank": slots[0].max_rank,
+    }
 
 
 def _cpu_fp32(t: torch.Tensor) -> bool:

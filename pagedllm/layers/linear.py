@@ -11,6 +11,8 @@ and runs the GEMM. Dense weights use the checkpoint layout ``[out_features, in_f
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -18,11 +20,16 @@ from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.quantization import QuantizationConfig, current_quant_config
 from pagedllm.layers.quantization.base import set_weight_attrs
 from pagedllm.layers.sharding import ShardId, copy_checked, divide, input_dim, narrow_checked, output_dim
+from pagedllm.lora.context import current_lora_step
 
 
 class LinearBase(nn.Module):
     """y = x W^T + b on this rank's slice; subclasses define the slice (:meth:`partition`) and
-    its ``weight_loader``. ``quant_config`` defaults to the one the model is being built with."""
+    its ``weight_loader``. ``quant_config`` defaults to the one the model is being built with.
+    ``lora``: the adapters' slots (``lora.layers.LoRASlots``) when LoRA is on; their delta is
+    added after the quant method's GEMM, whatever the weight format."""
+
+    lora: Any = None
 
     def __init__(
         self, input_size: int, output_sizes: list[int], bias: bool, quant_config: QuantizationConfig | None = None
@@ -48,7 +55,13 @@ class LinearBase(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.quant_method.apply(self, x, self.bias)
+        return self.add_lora(x, self.quant_method.apply(self, x, self.bias))
+
+    def add_lora(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """``y`` plus the adapters' delta of the step's adapter tokens (none: ``y`` unchanged)."""
+        if self.lora is None or (step := current_lora_step()) is None:
+            return y
+        return self.lora.add_delta(x, y, step)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -173,4 +186,4 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Only rank 0 adds the bias so the all-reduce counts it once.
         y = self.quant_method.apply(self, x, self.bias if self.tp.rank == 0 else None)
-        return self.tp.all_reduce(y)
+        return self.tp.all_reduce(self.add_lora(x, y))

@@ -69,6 +69,9 @@ class PrometheusStatLogger:
         self.swap_in: Any = None
         if config is not None and config.cache_config.swap_space_bytes:
             self._make_swap_counters()
+        self.lora_info: Any = None  # vllm:lora_requests_info, only with LoRA (as vLLM)
+        if config is not None and config.lora_config is not None:
+            self._make_lora_info(config.lora_config.max_loras)
 
     # ------------------------------------------------------------------ creation
     def _family(self, cls: type, name: str, doc: str, extra_labels: tuple[str, ...] = (), **kw: Any) -> Any:
@@ -206,6 +209,21 @@ class PrometheusStatLogger:
             self._spec_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos))
 
     # ------------------------------------------------------------------ StatLogger
+    def _make_lora_info(self, max_loras: int) -> None:
+        """vLLM's LoRA gauge: its labels carry the adapters (comma-separated names), its value
+        the time of the last update; no model_name/engine labels, as in vLLM."""
+        self.max_lora = str(max_loras)
+        self.lora_info = Gauge(
+            METRIC_PREFIX + "lora_requests_info",
+            "Running stats on lora requests.",
+            ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+            registry=self.registry,
+        )
+
+    def _record_lora(self, s: SchedulerStats) -> None:
+        running, waiting = ",".join(s.running_lora_adapters), ",".join(s.waiting_lora_adapters)
+        self.lora_info.labels(self.max_lora, waiting, running).set_to_current_time()
+
     def log_engine_initialized(self, config: EngineConfig, num_gpu_blocks: int) -> None:
         """``vllm:cache_config_info``: a gauge at 1 whose labels are the cache config's fields."""
         info = {name: str(value) for name, value in dataclasses.asdict(config.cache_config).items()}
@@ -243,6 +261,8 @@ class PrometheusStatLogger:
             self.iteration_tokens.observe(s.num_scheduled_tokens)
         if s.spec_decoding is not None:
             self._record_spec(s.spec_decoding)
+        if self.lora_info is not None:
+            self._record_lora(s)
 
     def _record_spec(self, spec: SpecDecodingStats) -> None:
         self.spec_drafts.inc(spec.num_drafts)

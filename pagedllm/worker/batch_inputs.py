@@ -9,12 +9,22 @@ import numpy as np
 import torch
 
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
+from pagedllm.lora.request import LoRARequest
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.sampler import DraftBatch
 
 
 def _empty() -> np.ndarray:
     return np.zeros(0, dtype=np.int64)
+
+
+@dataclass
+class LoRABatch:
+    """The step's adapters: each token's ``lora_int_id`` (0: the base model) and the requests
+    that name them (the worker puts them in slots and turns the ids into slot masks)."""
+
+    token_lora_ids: np.ndarray  # [T]
+    requests: dict[int, LoRARequest]
 
 
 @dataclass
@@ -36,6 +46,7 @@ class BatchInputs:
     # when nothing samples.
     sampling: SamplingMetadata | None = None
     drafts: DraftBatch | None = None  # the proposals under verification (speculative decoding)
+    lora: LoRABatch | None = None  # None: every row runs the base model
 
     @property
     def has_drafts(self) -> bool:

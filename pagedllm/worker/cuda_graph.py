@@ -48,8 +48,11 @@ def padded_size(num_reqs: int, sizes: list[int]) -> int | None:
 
 
 def graphs_enabled(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> bool:
-    """CUDA graphs run on CUDA with the Triton backend, unless ``enforce_eager``."""
-    return device.type == "cuda" and backend.name == "triton" and not config.enforce_eager
+    """CUDA graphs run on CUDA with the Triton backend, unless ``enforce_eager`` or LoRA (the
+    adapters' per-step masks are not captured: a LoRA engine runs decode eagerly)."""
+    return (
+        device.type == "cuda" and backend.name == "triton" and not config.enforce_eager and config.lora_config is None
+    )
 
 
 class Graph(Protocol):

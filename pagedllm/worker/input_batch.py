@@ -18,7 +18,7 @@ from pagedllm.core.sched_output import SchedulerOutput
 from pagedllm.sampling.metadata import SamplingMetadata
 from pagedllm.sampling.sampler import DraftBatch
 from pagedllm.spec_decode.proposer import Proposals, ProposerInputs, speculation_room
-from pagedllm.worker.batch_inputs import BatchInputs
+from pagedllm.worker.batch_inputs import BatchInputs, LoRABatch
 from pagedllm.worker.flat_batch import batch_tensors, index_arrays
 from pagedllm.worker.request_state import CachedRequestState
 from pagedllm.worker.staging import HostStager
@@ -171,12 +171,25 @@ class InputBatch:
             sample_req_ids=[req_ids[i] for i in sample.tolist()],
             sample_batch_rows=sample,
             sample_rows=sample_rows,
+            lora=self._lora_batch(req_of_token),
         )
         if len(sample):
             batch.sampling = self._step_metadata(sample_rows, has_drafts)
         if has_drafts:
             batch.drafts = self._drafts(sample, num_drafts[sample].tolist(), staged["draft_token_ids"])
         return batch
+
+    def _lora_batch(self, req_of_token: np.ndarray) -> LoRABatch | None:
+        """Each token's adapter id, when any row runs an adapter."""
+        loras = {s.lora_request.lora_int_id: s.lora_request for s in self.states if s.lora_request is not None}
+        if not loras:
+            return None
+        row_ids = np.fromiter(
+            (0 if s.lora_request is None else s.lora_request.lora_int_id for s in self.states),
+            dtype=np.int64,
+            count=len(self.states),
+        )
+        return LoRABatch(row_ids[req_of_token], loras)
 
     def _table(self) -> np.ndarray:
         """The rows' block tables, as wide as the widest (0 = the null block pads)."""

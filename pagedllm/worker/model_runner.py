@@ -9,6 +9,7 @@ embeddings, and nothing samples.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, cast
 
@@ -18,6 +19,8 @@ from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 from pagedllm.layers.attention.selector import get_attn_backend
+from pagedllm.lora.context import lora_step
+from pagedllm.lora.manager import LoRAModelManager
 from pagedllm.models.loader import load_model
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.spec_decode.factory import make_proposer
@@ -61,6 +64,7 @@ class ModelRunner:
         self.kv_tier = KVTier([], 0)  # the swap tier (--swap-space), set up with the KV caches
         self.proposer: Proposer | None = None  # speculative decoding: set up in load_model
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps replay these (CUDA)
+        self.lora: LoRAModelManager | None = None  # the adapters' slots (--enable-lora)
         pooler_config = config.model_config.pooler_config
         self.pooler = Pooler(pooler_config) if config.model_config.is_pooling and pooler_config else None
         # An encoder attends bidirectionally over whole prompts and keeps no KV: its attention
@@ -91,8 +95,15 @@ class ModelRunner:
             quantization=mc.quantization,
         )
         self._model = cast(CausalLM, model)
+        self._attach_lora(model)
         self.proposer = make_proposer(self.config, self.device, self.dtype, self.attn_backend, self.input_batch.stager)
         self.models = [model, *(self.proposer.models if self.proposer is not None else [])]
+
+    def _attach_lora(self, model: torch.nn.Module) -> None:
+        """With --enable-lora: slots on the target model's linears (the draft model runs without)."""
+        lora_config = self.config.lora_config
+        if lora_config is not None:
+            self.lora = LoRAModelManager(model, lora_config, self.config.model_config.arch, self.dtype, self.device)
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Give every attention layer of every model its own cache over the same block ids."""
@@ -153,7 +164,14 @@ class ModelRunner:
         """Hidden states [T, hidden]: a CUDA graph replay for decode-only steps, else eager."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
-        return self.model(batch.input_ids, batch.positions, self.attention_metadata(batch.attn))
+        with self._lora_scope(batch):
+            return self.model(batch.input_ids, batch.positions, self.attention_metadata(batch.attn))
+
+    def _lora_scope(self, batch: BatchInputs) -> contextlib.AbstractContextManager:
+        """The step's LoRA mapping for the forward (nothing when no row runs an adapter)."""
+        if self.lora is None or batch.lora is None:
+            return contextlib.nullcontext()
+        return lora_step(self.lora.prepare(batch.lora.token_lora_ids, batch.lora.requests))
 
     def attention_metadata(self, attn: CommonAttentionMetadata) -> Any:
         """What the model's attention reads: the backend's metadata, or for an encoder the layout."""

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedllm.core.sched_output import SchedulerOutput
+from pagedllm.lora.request import LoRARequest
 from pagedllm.pooling_params import PoolingParams
 from pagedllm.sampling_params import SamplingParams
 
@@ -29,6 +30,7 @@ class CachedRequestState:
     # draws); None for deterministic proposals or none.
     draft_probs: torch.Tensor | None = None
     pooling_params: PoolingParams | None = None  # a pooling request (embedded, never sampled)
+    lora_request: LoRARequest | None = None  # the adapter its rows run with (None: the base model)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -56,6 +58,7 @@ def update_states(
             list(new.block_ids),
             new.num_computed_tokens,
             pooling_params=new.pooling_params,
+            lora_request=new.lora_request,
         )
     cached = sched.scheduled_cached_reqs
     for req_id, resumed, block_ids, computed in zip(

@@ -49,11 +49,14 @@ def test_padded_size():
 
 
 def test_graphs_enabled_only_for_triton_on_cuda():
-    eager, graphs = SimpleNamespace(enforce_eager=True), SimpleNamespace(enforce_eager=False)
+    eager = SimpleNamespace(enforce_eager=True, lora_config=None)
+    graphs = SimpleNamespace(enforce_eager=False, lora_config=None)
+    lora = SimpleNamespace(enforce_eager=False, lora_config=object())
     triton, torch_backend = SimpleNamespace(name="triton"), SimpleNamespace(name="torch")
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
     assert graphs_enabled(graphs, cuda, triton)
     assert not graphs_enabled(eager, cuda, triton)
+    assert not graphs_enabled(lora, cuda, triton)  # LoRA decodes eagerly
     assert not graphs_enabled(graphs, cuda, torch_backend)
     assert not graphs_enabled(graphs, cpu, triton)
 

@@ -26,6 +26,7 @@ from pagedllm.entrypoints.openai.routes import (
     completions,
     embeddings,
     invocations,
+    lora,
     models,
     responses,
     score,
@@ -62,6 +63,8 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     served = ServedModels(
         tuple(options.served_model_names), model_config.model, model_config.max_model_len, int(time.time())
     )
+    for name, path in options.lora_modules:
+        lora.add_lora_module(engine, served, name, path)
     state = ServerState(
         engine, options, served, _metrics_registry(engine, served.names[0]), _load_handlers(engine, options, served)
     )
@@ -86,6 +89,8 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     add_exception_handlers(app)
     for router in ROUTERS:
         app.include_router(router)
+    if options.enable_lora_runtime_updates:
+        app.include_router(lora.router)
     return app
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     from pagedllm.config import EngineConfig
     from pagedllm.engine.input_processor import PromptType
+    from pagedllm.lora.request import LoRARequest
     from pagedllm.metrics.stats import StatLogger
     from pagedllm.outputs import PoolingRequestOutput, RequestOutput
     from pagedllm.pooling_params import PoolingParams
@@ -45,6 +46,7 @@ class EngineClient(Protocol):
         priority: int = 0,
         cache_salt: str | None = None,
         strict_max_tokens: bool = True,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs; ValueError for input it rejects; closing it aborts."""
         ...
@@ -56,6 +58,10 @@ class EngineClient(Protocol):
         ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """ValueError naming the adapter unless it fits the engine's base model and LoRA settings."""
+        ...
 
     async def check_structured_outputs(self, params: SamplingParams) -> None:
         """ValueError if the request's output constraint is invalid (compiles it, cached)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.chat_utils import load_chat_template
@@ -62,6 +63,9 @@ class ServerOptions:
             "at once (--max-num-seqs + --max-waiting-requests)"
         )
 
+    enable_lora_runtime_updates: bool = False
+    lora_modules: list[tuple[str, str]] = field(default_factory=list)  # (name, path), checked at start-up
+
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServerOptions:
         names = getattr(args, "served_model_name", None) or [getattr(args, "model", None) or "pagedllm-demo"]
@@ -77,6 +81,7 @@ class ServerOptions:
             _tool_call_parser(args),
             **{name: bool(getattr(args, name, False)) for name in _SWITCHES},
             limits=HttpLimits.from_args(args),
+            lora_modules=_lora_modules(args),
         )
 
 
@@ -86,7 +91,29 @@ _SWITCHES = (
     "enable_tokenizer_info_endpoint",
     "enable_server_load_tracking",
     "disable_fastapi_docs",
+    "enable_lora_runtime_updates",
 )
+
+
+def _lora_modules(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """``--lora-modules`` as (name, path) pairs: NAME=PATH or '{"name": ..., "path": ...}'."""
+    modules = [_lora_module(item) for item in getattr(args, "lora_modules", None) or []]
+    if (modules or getattr(args, "enable_lora_runtime_updates", False)) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
+    return modules
+
+
+def _lora_module(item: str) -> tuple[str, str]:
+    if item.lstrip().startswith("{"):
+        try:
+            spec = json.loads(item)
+            return str(spec["name"]), str(spec["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f'--lora-modules {item!r}: a JSON module needs "name" and "path"') from None
+    name, sep, path = item.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules {item!r}: write NAME=PATH (the adapter's name and its directory)")
+    return name, path
 
 
 def _tool_call_parser(args: argparse.Namespace) -> str | None:

@@ -315,7 +315,12 @@ class OpenAIServing:
         search per prompt (its steps' requests are the search's own)."""
         request_id = random_id(self.id_prefix)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        options = dict(priority=request.priority, cache_salt=request.cache_salt)
+        options: dict[str, Any] = dict(priority=request.priority, cache_salt=request.cache_salt)
+        lora = self.models.lora_request(request.model)
+        if lora is not None:
+            if params.use_beam_search:
+                raise RequestParamError("beam search with a LoRA adapter is not supported", "use_beam_search")
+            options["lora_request"] = lora
         if params.use_beam_search:
             search = beam_search_params(params, self.engine.config.model_config.max_model_len, params.temperature)
             searches = [beam_search(self.engine, p, params, search, rid, **options) for p, rid in zip(prompts, ids)]
@@ -323,6 +328,8 @@ class OpenAIServing:
         generators = [
             self.engine.generate(p, params, rid, strict_max_tokens=True, **options) for p, rid in zip(prompts, ids)
         ]
+        if lora is not None:
+            generators = [self.models.tracked(lora.lora_name, g) for g in generators]
         return OutputStream(generators)
 
     async def respond(

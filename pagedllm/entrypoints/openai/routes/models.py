@@ -11,7 +11,7 @@ router = APIRouter()
 
 @router.get("/v1/models")
 async def list_models(state: State) -> dict:
-    return {"object": "list", "data": [state.models.card(name) for name in state.models.names]}
+    return {"object": "list", "data": [state.models.card(name) for name in state.models.all_names()]}
 
 
 @router.get("/v1/models/{model_id:path}")
