@@ -15,7 +15,7 @@ from pagedllm.config.choices import USAGE_CONTEXTS
 from pagedllm.config.device import DeviceArgs
 from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
 from pagedllm.config.options import GiB
-from pagedllm.config.parallel import ParallelArgs, ParallelConfig
+from pagedllm.config.parallel import ParallelArgs, ParallelConfig, check_tensor_parallel, kv_heads_per_rank
 from pagedllm.config.pooler import PoolerArgs
 from pagedllm.config.scheduler import SchedulerArgs, SchedulerConfig
 from pagedllm.config.speculative import SpeculativeArgs, SpeculativeConfig
@@ -44,7 +44,11 @@ class EngineConfig:
         archs = [self.model_config.arch]
         if self.speculative_config is not None and self.speculative_config.draft_arch is not None:
             archs.append(self.speculative_config.draft_arch)
-        per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in archs)
+        # Per rank: each tensor-parallel rank caches only its KV heads (kv_cache_memory is per rank).
+        tp = self.parallel_config.tensor_parallel_size
+        per_token = sum(
+            2 * a.num_hidden_layers * kv_heads_per_rank(a.num_key_value_heads, tp) * a.head_dim for a in archs
+        )
         return per_token * self.cache_config.block_size * self.model_config.dtype_bytes
 
     def num_swap_blocks(self) -> int:
@@ -125,6 +129,9 @@ class EngineArgs(
             self.create_structured_outputs_config(),
             self.create_speculative_config(arch, model_config.max_model_len),
             enforce_eager=bool(self.enforce_eager),
+        )
+        check_tensor_parallel(
+            config.parallel_config.tensor_parallel_size, arch.num_attention_heads, arch.num_key_value_heads, device
         )
         check_kv_budget(config)
         return config
