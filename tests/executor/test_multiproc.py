@@ -1,0 +1,123 @@
+"""Tensor parallelism through the real engine: the multiprocess executor (one worker process per
+rank, gloo) gives the same greedy tokens as one rank in float32, and no worker outlives it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError
+
+from entrypoints.openai.conftest import RemoteServer
+
+# A shared prefix (prefix caching), a prompt longer than the step budget (chunked prefill), and
+# several requests in flight at once.
+_PREFIX = "the quick brown fox jumps over the lazy dog " * 3
+PROMPTS = [
+    _PREFIX + "and then",
+    _PREFIX + "while the cat",
+    "hello world",
+    "one two three four five six seven eight nine ten " * 8,
+    "a b c d e f g",
+]
+# Small blocks and a small step budget: prefixes span whole blocks, the long prompt is chunked.
+ENGINE = dict(dtype="float32", block_size=8, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
+
+
+def _run(llm: LLM, rounds: int = 2) -> list[list[int]]:
+    """Every prompt, ``rounds`` times (later rounds hit the prefix cache)."""
+    tokens = []
+    for _ in range(rounds):
+        tokens += [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm.llm_engine.check_integrity()
+    return tokens
+
+
+def _min_top2_gap(llm: LLM) -> float:
+    """The reference's smallest gap between the top two logprobs (exact match needs no near-ties)."""
+    gap = float("inf")
+    for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False):
+        for position in out.outputs[0].logprobs or []:
+            top = sorted((lp.logprob for lp in position.values()), reverse=True)
+            gap = min(gap, top[0] - top[1])
+    return gap
+
+
+def _workers(llm: LLM) -> list[psutil.Process]:
+    executor = llm.llm_engine.engine_core.executor
+    assert isinstance(executor, MultiprocExecutor)
+    return [psutil.Process(p.pid) for p in executor.procs]
+
+
+def _all_gone(procs: list[psutil.Process], timeout: float = 5.0) -> bool:
+    """Every process exited (zombies count as exited)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        if not alive:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.mark.parametrize("fixture", ["llama_model_dir", "qwen2_model_dir"])
+def test_tp2_greedy_matches_tp1(fixture, request):
+    model_dir = str(request.getfixturevalue(fixture))
+    ref_llm = LLM(model_dir, **ENGINE)
+    reference = _run(ref_llm)
+    assert _min_top2_gap(ref_llm) > 1e-4
+    llm = LLM(model_dir, tensor_parallel_size=2, **ENGINE)
+    workers = _workers(llm)
+    assert len(workers) == 2 and all(w.ppid() == os.getpid() for w in workers)
+    assert all(w.num_threads() < 16 for w in workers)  # one intra-op thread each, not the box's
+    try:
+        assert _run(llm) == reference
+        # Unseeded and seeded sampling: every rank draws the same tokens, or the ranks' inputs
+        # would diverge and the next all-reduce would fail or hang.
+        sampled = SamplingParams(temperature=1.0, max_tokens=8)
+        seeded = SamplingParams(temperature=1.0, max_tokens=8, seed=7)
+        llm.generate(PROMPTS, [sampled, seeded] * 2 + [sampled], use_tqdm=False)
+        llm.llm_engine.check_integrity()
+    finally:
+        llm.llm_engine.shutdown()
+    assert _all_gone(workers)
+
+
+def test_tp_not_dividing_heads_lists_valid_sizes(llama_model_dir):
+    with pytest.raises(ValueError, match=r"valid sizes: \[1, 2, 4\]"):
+        LLM(str(llama_model_dir), tensor_parallel_size=3)
+
+
+def test_killed_worker_raises_naming_the_rank(llama_model_dir):
+    llm = LLM(str(llama_model_dir), tensor_parallel_size=2, **ENGINE)
+    workers = _workers(llm)
+    llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
+    os.kill(workers[1].pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank 1") as info:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 5
+    assert "signal 9" in str(info.value)
+    assert _all_gone(workers)  # the surviving rank is stopped too
+    llm.llm_engine.shutdown()  # idempotent
+
+
+def test_server_tp2_completion_matches_tp1(llama_model_dir):
+    prompt = "the quick brown fox"
+    ref = LLM(str(llama_model_dir), dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    with RemoteServer(llama_model_dir, ["--served-model-name", "tiny", "--dtype", "float32", "-tp", "2"]) as srv:
+        tree = psutil.Process(srv.proc.pid).children(recursive=True)
+        assert len(tree) >= 3  # the engine core and its two ranks
+        out = srv.openai_client().completions.create(
+            model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert out.choices[0].text == ref[0].outputs[0].text
+    assert _all_gone(tree, timeout=10)
