@@ -9,11 +9,10 @@ import time
 
 import psutil
 import pytest
+from entrypoints.openai.conftest import RemoteServer
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError
-
-from entrypoints.openai.conftest import RemoteServer
 
 # A shared prefix (prefix caching), a prompt longer than the step budget (chunked prefill), and
 # several requests in flight at once.
