@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -65,7 +67,13 @@ def _all_gone(procs: list[psutil.Process], timeout: float = 5.0) -> bool:
     return False
 
 
-@pytest.mark.parametrize("fixture", ["llama_model_dir", "qwen2_model_dir"])
+@pytest.fixture(scope="module")
+def mqa_model_dir(tiny_model_dir):
+    """One KV head: at TP=2 each rank holds a replica of it."""
+    return tiny_model_dir("llama", num_kv_heads=1)
+
+
+@pytest.mark.parametrize("fixture", ["llama_model_dir", "qwen2_model_dir", "mqa_model_dir"])
 def test_tp2_greedy_matches_tp1(fixture, request):
     model_dir = str(request.getfixturevalue(fixture))
     ref_llm = LLM(model_dir, **ENGINE)
@@ -120,3 +128,32 @@ def test_server_tp2_completion_matches_tp1(llama_model_dir):
         )
         assert out.choices[0].text == ref[0].outputs[0].text
     assert _all_gone(tree, timeout=10)
+
+
+_PARENT = """
+import sys
+from pagedllm import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2)
+print(*(p.pid for p in llm.llm_engine.engine_core.executor.procs), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_workers_die_with_a_killed_parent(llama_model_dir):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(llama_model_dir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        workers = [psutil.Process(int(pid)) for pid in proc.stdout.readline().split()]
+        assert len(workers) == 2
+        proc.kill()
+        proc.wait(5)
+        assert _all_gone(workers, timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
