@@ -31,6 +31,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.startup import StartupPhases
@@ -40,11 +41,6 @@ logger = logging.getLogger(__name__)
 _INIT_TIMEOUT_S = 60.0  # torch.distributed rendezvous and gloo collectives (the default is 30 min)
 _STARTUP_TIMEOUT_S = 600.0  # loading the weights, compiling the CPU kernels
 _STOP_TIMEOUT_S = 5.0
-
-
-def step_timeout_s() -> float:
-    """How long a step may take before a silent rank counts as hung."""
-    return float(os.environ.get("PAGEDLLM_EXECUTOR_TIMEOUT_S", "300"))
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -112,7 +108,7 @@ class MultiprocExecutor:
         self._call("initialize_kv_cache", num_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        result = self._call("execute_model", sched, timeout=step_timeout_s())[0]
+        result = self._call("execute_model", sched, timeout=envs.executor_timeout_s())[0]
         assert isinstance(result, ModelRunnerOutput)
         return result
 
@@ -220,15 +216,15 @@ def _worker_main(
 ) -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
-    if not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["OMP_NUM_THREADS"] = str(threads)  # the worker's thread set-up honours it
+    if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
+        envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
     import datetime
 
     import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(int(envs.omp_num_threads()))
     try:
         dist.init_process_group(
             "gloo",
