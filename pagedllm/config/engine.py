@@ -130,9 +130,12 @@ class EngineArgs(
             self.create_speculative_config(arch, model_config.max_model_len),
             enforce_eager=bool(self.enforce_eager),
         )
-        check_tensor_parallel(
-            config.parallel_config.tensor_parallel_size, arch.num_attention_heads, arch.num_key_value_heads, device
-        )
+        spec = config.speculative_config
+        for a in (arch, spec.draft_arch if spec is not None else None):  # a draft model is split too
+            if a is not None:
+                check_tensor_parallel(
+                    config.parallel_config.tensor_parallel_size, a.num_attention_heads, a.num_key_value_heads, device
+                )
         check_kv_budget(config)
         return config
 

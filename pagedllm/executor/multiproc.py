@@ -146,12 +146,12 @@ class MultiprocExecutor:
                 )
             ready = wait([*pending.values(), *sentinels], left)
             for obj in ready:
-                if obj in sentinels:  # a process exited; its last answer may still be in the pipe
+                if obj in sentinels:  # a process exited: read its last answer first (an error message)
                     rank = sentinels[obj]
-                    if rank in pending and not pending[rank].poll():
-                        self.shutdown()
-                        raise self._died(rank, what)
-                    continue
+                    if rank in pending and pending[rank].poll():
+                        continue
+                    self.shutdown()
+                    raise self._died(rank, what)
                 rank = next(r for r, c in pending.items() if c is obj)
                 try:
                     ok, payload = pending[rank].recv()
