@@ -27,7 +27,8 @@ PROMPTS = [
     "a b c d e f g",
 ]
 # Small blocks and a small step budget: prefixes span whole blocks, the long prompt is chunked.
-ENGINE = dict(dtype="float32", block_size=8, max_num_batched_tokens=64, max_num_seqs=8, max_model_len=256)
+BLOCK, BUDGET = 8, 64
+ENGINE = dict(dtype="float32", block_size=BLOCK, max_num_batched_tokens=BUDGET, max_num_seqs=8, max_model_len=256)
 GREEDY = SamplingParams(temperature=0, max_tokens=24, logprobs=2, ignore_eos=True)
 
 
@@ -35,7 +36,11 @@ def _run(llm: LLM, rounds: int = 2) -> list[list[int]]:
     """Every prompt, ``rounds`` times (later rounds hit the prefix cache)."""
     tokens = []
     for _ in range(rounds):
-        tokens += [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        tokens += [list(o.outputs[0].token_ids) for o in outputs]
+    # The last round read cached prefixes (every prompt of a full block or more).
+    assert all(o.num_cached_tokens > 0 for o in outputs if len(o.prompt_token_ids or []) > BLOCK)
+    assert max(len(o.prompt_token_ids or []) for o in outputs) > BUDGET  # chunked
     llm.llm_engine.check_integrity()
     return tokens
 
