@@ -160,6 +160,8 @@ class MultiprocExecutor:
                     raise self._died(rank, what) from e
                 if not ok:
                     self.shutdown()
+                    if isinstance(payload, ValueError):  # a setting that does not fit: the user's to fix
+                        raise ValueError(f"{payload} (tensor-parallel rank {rank})")
                     raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed in {what!r}: {payload}")
                 answers[rank] = payload
                 del pending[rank]
@@ -190,6 +192,11 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
             proc.join(1.0)
     for conn in conns:
         conn.close()
+
+
+def _portable(exc: Exception) -> Exception:
+    """A worker's exception as the engine core will get it: ValueError as is, anything else by name."""
+    return ValueError(str(exc)) if isinstance(exc, ValueError) else RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
 def _free_port() -> int:
@@ -241,7 +248,7 @@ def _worker_main(
         worker.load_model()
         conn.send((True, dict(worker.startup.seconds)))
     except Exception as e:
-        conn.send((False, f"{type(e).__name__}: {e}"))
+        conn.send((False, _portable(e)))
         raise SystemExit(1) from e
     try:
         while True:
@@ -255,7 +262,7 @@ def _worker_main(
                 result = getattr(worker, method)(*args)
             except Exception as e:
                 logger.exception("rank %d failed in %s", rank, method)
-                conn.send((False, f"{type(e).__name__}: {e}"))
+                conn.send((False, _portable(e)))
                 break
             conn.send((True, result if rank == 0 or method == "determine_num_blocks" else None))
     finally:

@@ -106,6 +106,15 @@ def test_tp_not_dividing_heads_lists_valid_sizes(llama_model_dir):
         LLM(str(llama_model_dir), tensor_parallel_size=3)
 
 
+def test_worker_value_error_reaches_the_caller(llama_model_dir):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=2 cannot hold .*tensor-parallel rank 0"):
+        LLM(str(llama_model_dir), tensor_parallel_size=2, num_gpu_blocks_override=2)
+    spawned = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    # multiprocessing's resource tracker lives as long as this process, whatever started it
+    assert _all_gone([p for p in spawned if "resource_tracker" not in " ".join(p.cmdline())])
+
+
 def test_killed_worker_raises_naming_the_rank(llama_model_dir):
     llm = LLM(str(llama_model_dir), tensor_parallel_size=2, **ENGINE)
     workers = _workers(llm)
