@@ -47,6 +47,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "300",
             "tensor parallelism: seconds a step may wait for a worker rank before it counts as hung",
         ),
+        EnvVar(
+            "PAGEDLLM_SHM_ALLREDUCE",
+            "1",
+            "tensor parallelism on x86 CPU: 0 all-reduces through gloo instead of shared memory",
+        ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(
             "TORCH_EXTENSIONS_DIR",

@@ -88,7 +88,7 @@ class MultiprocExecutor:
         try:
             answers = self._gather(_STARTUP_TIMEOUT_S, "start-up")
         except BaseException:
-            self.shutdown()
+            self._abort()
             raise
         self.startup.add("worker processes", time.perf_counter() - start)
         for name, seconds in answers[0].items():  # rank 0's phases stand for all
@@ -126,7 +126,7 @@ class MultiprocExecutor:
             try:
                 conn.send((method, args))
             except (BrokenPipeError, ConnectionResetError, OSError) as e:
-                self.shutdown()
+                self._abort()
                 raise self._died(rank, method) from e
         return self._gather(timeout, method)
 
@@ -139,7 +139,7 @@ class MultiprocExecutor:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
-                self.shutdown()
+                self._abort()
                 ranks = sorted(pending)
                 raise WorkerDiedError(
                     f"tensor-parallel worker rank(s) {ranks} did not answer {what!r} within {timeout:.0f} s"
@@ -150,22 +150,30 @@ class MultiprocExecutor:
                     rank = sentinels[obj]
                     if rank in pending and pending[rank].poll():
                         continue
-                    self.shutdown()
+                    self._abort()
                     raise self._died(rank, what)
                 rank = next(r for r, c in pending.items() if c is obj)
                 try:
                     ok, payload = pending[rank].recv()
                 except (EOFError, OSError) as e:
-                    self.shutdown()
+                    self._abort()
                     raise self._died(rank, what) from e
                 if not ok:
-                    self.shutdown()
+                    self._abort()
                     if isinstance(payload, ValueError):  # a setting that does not fit: the user's to fix
                         raise ValueError(f"{payload} (tensor-parallel rank {rank})")
                     raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed in {what!r}: {payload}")
                 answers[rank] = payload
                 del pending[rank]
         return [answers[r] for r in range(self.world_size)]
+
+    def _abort(self) -> None:
+        """A rank failed: the others may be waiting for it inside a collective, deaf to a polite
+        stop, so terminate them now, then reap."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        self.shutdown()
 
     def _died(self, rank: int, what: str) -> WorkerDiedError:
         proc = self.procs[rank]
@@ -240,10 +248,14 @@ def _worker_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
         )
+        from pagedllm.distributed import shm_allreduce
         from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
         from pagedllm.worker.worker import Worker
 
-        set_tp_group(TPGroup.from_process_group())
+        shm = None
+        if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported():
+            shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
+        set_tp_group(TPGroup(rank, world_size, None, shm))
         worker = Worker(config)
         worker.load_model()
         conn.send((True, dict(worker.startup.seconds)))
