@@ -7,7 +7,8 @@ heads: 9 query / 3 KV heads cannot be split in two, so this uses 12 query / 4 KV
 which keeps every weight matrix the same size (q 576, k and v 192 wide). Each configuration runs
 in its own process (``OMP_NUM_THREADS`` set before torch starts): TP=1 with 1 thread, TP=1 with
 2 threads (the same two cores TP=2 gets), each with and without the fused decode stack (which
-stands aside at TP > 1), and TP=2 with 1 thread per rank. Each holds ``batch``
+stands aside at TP > 1), and TP=2 with 1 thread per rank, all-reducing through shared memory
+(``distributed/shm_allreduce.py``, the default on x86) and through gloo. Each holds ``batch``
 running requests (32-token prompts); after warm-up, every engine step is one decode step of the
 whole batch; reported: the median step over ``rounds`` steps and tokens per second.
 
@@ -136,13 +137,18 @@ def main() -> None:
         model_dir = str(_model_dir(Path(tmp)))
         # The fused decode stack (layers/cpu_decode_stack.py) runs at one rank only: the TP=1
         # rows without it show what TP=2 is up against module for module.
-        for tp, threads, stack in ((1, 1, "1"), (1, 1, "0"), (1, 2, "1"), (1, 2, "0"), (2, 1, "0")):
+        configs = [(1, 1, "1", "1"), (1, 1, "0", "1"), (1, 2, "1", "1"), (1, 2, "0", "1")]
+        configs += [(2, 1, "0", "1"), (2, 1, "0", "0")]  # TP=2: shared-memory, then gloo all-reduce
+        for tp, threads, stack, shm in configs:
             env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PAGEDLLM_CPU_DECODE_STACK": stack}
+            env["PAGEDLLM_SHM_ALLREDUCE"] = shm
             cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--one", str(tp)]
             cmd += ["--model-dir", model_dir, "--batch", str(args.batch), "--rounds", str(args.rounds)]
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             r = json.loads(done.stdout.strip().splitlines()[-1])
             path = "decode stack" if tp == 1 and stack == "1" else "modules"
+            if tp > 1:
+                path += ", shm all-reduce" if shm == "1" else ", gloo all-reduce"
             rows.append((f"TP={tp}", f"{threads} per rank", path, r["step_ms"], r["tok_s"]))
     hidden, layers, vocab = 576, 30, 49152
     per_token = (2 * layers + 1) * hidden * 4
