@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from pagedllm import envs
+from pagedllm import cpu_info, envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.startup import StartupPhases
@@ -46,8 +46,6 @@ _STOP_TIMEOUT_S = 5.0
 def threads_per_rank(world_size: int) -> int:
     """Split the usable cores between the ranks (at least one each): more threads than cores
     across ranks is a 7-8x slowdown (docs: distributed facts)."""
-    from pagedllm import cpu_info
-
     return max(1, cpu_info.usable_cpus() // world_size)
 
 
@@ -253,7 +251,9 @@ def _worker_main(
         from pagedllm.worker.worker import Worker
 
         shm = None
-        if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported():
+        # Ranks spin while they wait for each other: only when each has a core of its own.
+        own_core = world_size <= cpu_info.usable_cpus()
+        if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
             shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
         set_tp_group(TPGroup(rank, world_size, None, shm))
         worker = Worker(config)
