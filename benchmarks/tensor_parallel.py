@@ -15,7 +15,8 @@ whole batch; reported: the median step over ``rounds`` steps and tokens per seco
 Bytes all-reduced per token (counted, not measured): two all-reduces of the hidden state per
 layer (o_proj, down_proj) plus one for the vocab-parallel embedding, each ``hidden x 4`` bytes in
 fp32; the LM head all-gathers each sampled row's logits (``vocab x 4`` bytes assembled per row).
-The script also times a gloo all-reduce of one step's hidden states between two processes.
+The script also times one all-reduce of a step's hidden states between two processes, through
+gloo and through shared memory.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _one(model_dir: str, tp: int, batch: int, rounds: int) -> dict[str, Any]:
     return {"tp": tp, "threads": torch.get_num_threads(), "step_ms": step * 1e3, "tok_s": batch / step}
 
 
-def _allreduce_worker(rank: int, port: int, numel: int, rounds: int, out: Any) -> None:
+def _allreduce_worker(rank: int, port: int, numel: int, rounds: int, shm: bool, out: Any) -> None:
     import torch
     import torch.distributed as dist
 
@@ -89,21 +90,24 @@ def _allreduce_worker(rank: int, port: int, numel: int, rounds: int, out: Any) -
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
     )
+    from pagedllm.distributed.shm_allreduce import ShmAllReduce
+
+    reduce = ShmAllReduce(rank, 2).all_reduce if shm else dist.all_reduce
     x = torch.randn(numel)
     for _ in range(10):
-        dist.all_reduce(x)
+        reduce(x)
     times = []
     for _ in range(rounds):
         start = time.perf_counter()
-        dist.all_reduce(x)
+        reduce(x)
         times.append(time.perf_counter() - start)
     if rank == 0:
         out.put(statistics.median(times))
     dist.destroy_process_group()
 
 
-def allreduce_ms(numel: int, rounds: int = 200) -> float:
-    """Median time of one gloo all-reduce of ``numel`` fp32 values between two processes."""
+def allreduce_ms(numel: int, shm: bool, rounds: int = 200) -> float:
+    """Median time of one all-reduce (shared memory or gloo) of ``numel`` fp32 values between two processes."""
     import multiprocessing as mp
 
     from pagedllm.executor.multiproc import _free_port
@@ -111,7 +115,7 @@ def allreduce_ms(numel: int, rounds: int = 200) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, numel, rounds, out)) for r in range(2)]
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, numel, rounds, shm, out)) for r in range(2)]
     for p in procs:
         p.start()
     result = out.get(timeout=120)
@@ -153,7 +157,7 @@ def main() -> None:
     hidden, layers, vocab = 576, 30, 49152
     per_token = (2 * layers + 1) * hidden * 4
     step_numel = args.batch * hidden
-    one = allreduce_ms(step_numel)
+    one = {name: allreduce_ms(step_numel, name == "shared-memory") for name in ("gloo", "shared-memory")}
     print(env_line(environment()))
     print(format_table(("config", "threads", "path", f"step ms (batch {args.batch})", "tok/s"), rows))
     print(
@@ -161,10 +165,11 @@ def main() -> None:
         f"per decode step of {args.batch}: {per_token * args.batch / 1024:.0f} KiB in {2 * layers + 1} all-reduces; "
         f"LM head all-gather: {vocab * 4 // 1024} KiB of logits per sampled row"
     )
-    print(
-        f"gloo all-reduce of one step's hidden states ({step_numel} fp32, {step_numel * 4 // 1024} KiB): "
-        f"{one:.3f} ms median -> {one * (2 * layers + 1):.1f} ms of all-reduce per step"
-    )
+    for name, ms in one.items():
+        print(
+            f"{name} all-reduce of one step's hidden states ({step_numel} fp32, {step_numel * 4 // 1024} KiB): "
+            f"{ms:.3f} ms median -> {ms * (2 * layers + 1):.1f} ms of all-reduce per step"
+        )
 
 
 if __name__ == "__main__":
