@@ -51,6 +51,8 @@ class TPGroup:
         """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
         if self.size == 1:
             return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

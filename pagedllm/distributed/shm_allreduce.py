@@ -33,7 +33,7 @@ def supported() -> bool:
 
 
 class ShmAllReduce:
-    def __init__(self, rank: int, world_size: int, slot_bytes: int = 1 << 20, timeout_s: float = 60.0) -> None:
+    def __init__(self, rank: int, world_size: int, slot_bytes: int = 4 << 20, timeout_s: float = 60.0) -> None:
         self.rank, self.world_size, self.slot_bytes, self.timeout_s = rank, world_size, slot_bytes, timeout_s
         size = world_size * _FLAG_BYTES + 2 * world_size * slot_bytes
         names: list[str | None] = [f"pagedllm-tp-{os.getpid()}-{uuid.uuid4().hex[:8]}" if rank == 0 else None]
@@ -60,14 +60,23 @@ class ShmAllReduce:
     def fits(self, x: torch.Tensor) -> bool:
         return x.device.type == "cpu" and x.numel() * x.element_size() <= self.slot_bytes
 
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """Sum ``x`` over the ranks, in place; returns it."""
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Publish ``x``; every rank's tensor once all have published (views: read them now)."""
         self.seq += 1
         nbytes = x.numel() * x.element_size()
         slots = [s[:nbytes].view(x.dtype).view(x.shape) for s in self.slots[self.seq % 2]]
         slots[self.rank].copy_(x)
         self.flags[self.rank] = self.seq  # published after the data (x86 store order)
         self._wait(self.seq)
+        return slots
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim`` in rank order (a new tensor)."""
+        return torch.cat(self._exchange(x), dim=dim)
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum ``x`` over the ranks, in place; returns it."""
+        slots = self._exchange(x)
         if self.world_size == 2:
             torch.add(slots[0], slots[1], out=x)
         else:

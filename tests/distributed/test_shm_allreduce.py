@@ -34,6 +34,10 @@ def _worker(rank: int, world_size: int, init_file: str, out_file: str) -> None:
             assert shm.fits(x)
             got = shm.all_reduce(x)
             mismatches += int(got is not x or not torch.equal(got, expected))
+            part = torch.randn(3, 1 + i % 5, generator=gen).to(dtype)
+            gathered = [torch.empty_like(part) for _ in range(world_size)]
+            dist.all_gather(gathered, part)
+            mismatches += int(not torch.equal(shm.all_gather(part, dim=-1), torch.cat(gathered, dim=-1)))
         assert not shm.fits(torch.zeros(2048))  # larger than a slot: the caller uses gloo
         if rank == 0:
             torch.save(mismatches, out_file)
