@@ -42,6 +42,16 @@ ENV_VARS: dict[str, EnvVar] = {
             "1",
             "0 runs CPU decode steps layer by layer in Python instead of one C++ call for the decoder stack",
         ),
+        EnvVar(
+            "PAGEDLLM_EXECUTOR_TIMEOUT_S",
+            "300",
+            "tensor parallelism: seconds a step may wait for a worker rank before it counts as hung",
+        ),
+        EnvVar(
+            "PAGEDLLM_SHM_ALLREDUCE",
+            "1",
+            "tensor parallelism on x86 CPU: 0 all-reduces through gloo instead of shared memory",
+        ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(
             "TORCH_EXTENSIONS_DIR",
@@ -87,6 +97,16 @@ def cache_dir() -> Path:
 def omp_num_threads() -> str:
     """``OMP_NUM_THREADS`` as set ("" when unset): torch sizes its thread pool from it itself."""
     return get("OMP_NUM_THREADS")
+
+
+def set_omp_num_threads(count: int) -> None:
+    """Set ``OMP_NUM_THREADS`` for this process (a tensor-parallel worker, before torch sizes its pool)."""
+    os.environ["OMP_NUM_THREADS"] = str(count)
+
+
+def executor_timeout_s() -> float:
+    """``PAGEDLLM_EXECUTOR_TIMEOUT_S``: how long a step waits for a silent worker rank."""
+    return float(get("PAGEDLLM_EXECUTOR_TIMEOUT_S"))
 
 
 def kernel_build_root() -> Path:

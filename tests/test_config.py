@@ -115,7 +115,7 @@ def test_unknown_architecture(llama_model_dir, tmp_path):
         ({"kv_cache_memory": 0}, "kv_cache_memory must be > 0"),
         ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold must be an integer >= 0"),
         ({"gpu_memory_utilization": 1.5}, r"gpu_memory_utilization must be in \(0, 1\]"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=1"),
+        ({"tensor_parallel_size": 3}, r"tensor_parallel_size=3 cannot split .* valid sizes: \[1, 2, 4\]"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=1"),
         ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, triton"),
         ({"quantization": "int4"}, "quantization must be None"),

@@ -16,7 +16,7 @@ from pagedllm.config.device import DeviceArgs
 from pagedllm.config.lora import LoRAArgs, LoRAConfig
 from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
 from pagedllm.config.options import GiB
-from pagedllm.config.parallel import ParallelArgs, ParallelConfig
+from pagedllm.config.parallel import ParallelArgs, ParallelConfig, check_tensor_parallel, kv_heads_per_rank
 from pagedllm.config.pooler import PoolerArgs
 from pagedllm.config.scheduler import SchedulerArgs, SchedulerConfig
 from pagedllm.config.speculative import SpeculativeArgs, SpeculativeConfig
@@ -46,7 +46,11 @@ class EngineConfig:
         archs = [self.model_config.arch]
         if self.speculative_config is not None and self.speculative_config.draft_arch is not None:
             archs.append(self.speculative_config.draft_arch)
-        per_token = sum(2 * a.num_hidden_layers * a.num_key_value_heads * a.head_dim for a in archs)
+        # Per rank: each tensor-parallel rank caches only its KV heads (kv_cache_memory is per rank).
+        tp = self.parallel_config.tensor_parallel_size
+        per_token = sum(
+            2 * a.num_hidden_layers * kv_heads_per_rank(a.num_key_value_heads, tp) * a.head_dim for a in archs
+        )
         return per_token * self.cache_config.block_size * self.model_config.dtype_bytes
 
     def num_swap_blocks(self) -> int:
@@ -133,6 +137,12 @@ class EngineArgs(
             enforce_eager=bool(self.enforce_eager),
             lora_config=self.create_lora_config(),
         )
+        spec = config.speculative_config
+        for a in (arch, spec.draft_arch if spec is not None else None):  # a draft model is split too
+            if a is not None:
+                check_tensor_parallel(
+                    config.parallel_config.tensor_parallel_size, a.num_attention_heads, a.num_key_value_heads, device
+                )
         check_kv_budget(config)
         return config
 

@@ -1,4 +1,4 @@
-"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (only 1 x 1 runs today)."""
+"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor parallel on CPU; no pipeline parallel yet)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,9 @@ class ParallelArgs:
     """How many ranks share the model."""
 
     tensor_parallel_size: int = option(
-        1, "tensor-parallel ranks; accepted and validated, only 1 is supported for now", aliases=("-tp",)
+        1,
+        "tensor-parallel ranks: one worker process each (CPU, gloo); must divide the attention heads",
+        aliases=("-tp",),
     )
     pipeline_parallel_size: int = option(
         1, "pipeline-parallel stages; accepted and validated, only 1 is supported for now", aliases=("-pp",)
@@ -27,9 +29,33 @@ class ParallelArgs:
     def create_parallel_config(self) -> ParallelConfig:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError(
-                "tensor/pipeline parallelism is not available yet: use tensor_parallel_size=1 "
-                "and pipeline_parallel_size=1"
-            )
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline parallelism is not available yet: use pipeline_parallel_size=1")
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+
+
+def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, device: str) -> None:
+    """Start-up check that ``tp`` ranks can split the model: the query heads divide evenly, and
+    the KV heads too, or (fewer KV heads than ranks) each KV head is replicated on ``tp //
+    num_kv_heads`` ranks, which needs ``tp`` to be a multiple of them."""
+    if tp == 1:
+        return
+    if device != "cpu":
+        raise ValueError(f"tensor_parallel_size={tp} runs on CPU only for now (device={device!r})")
+    valid = [n for n in range(1, num_heads + 1) if _splits(n, num_heads, num_kv_heads)]
+    if not _splits(tp, num_heads, num_kv_heads):
+        raise ValueError(
+            f"tensor_parallel_size={tp} cannot split the model's {num_heads} attention heads "
+            f"({num_kv_heads} KV heads); valid sizes: {valid}"
+        )
+
+
+def _splits(tp: int, num_heads: int, num_kv_heads: int) -> bool:
+    if num_heads % tp:
+        return False
+    return num_kv_heads % tp == 0 if num_kv_heads >= tp else tp % num_kv_heads == 0
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads each rank caches: its share, or one replicated head when ranks outnumber them."""
+    return max(1, num_kv_heads // tp)

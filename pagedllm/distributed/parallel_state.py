@@ -12,9 +12,13 @@ with a simulated group).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from pagedllm.distributed.shm_allreduce import ShmAllReduce
 
 
 @dataclass(frozen=True)
@@ -24,6 +28,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None  # None: torch.distributed's default group
+    # Ranks on one machine (CPU): all-reduce through shared memory (distributed/shm_allreduce.py).
+    shm: ShmAllReduce | None = None
 
     def __post_init__(self) -> None:
         assert 0 <= self.rank < self.size, f"rank {self.rank} outside a group of {self.size}"
@@ -36,6 +42,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum ``x`` over the group, in place; returns it."""
         if self.size > 1:
+            if self.shm is not None and self.shm.fits(x):
+                return self.shm.all_reduce(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -43,6 +51,8 @@ class TPGroup:
         """Concatenate every rank's ``x`` along ``dim`` (rank order)."""
         if self.size == 1:
             return x
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x, dim)
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)

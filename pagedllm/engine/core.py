@@ -8,6 +8,7 @@ import time
 from pagedllm.config import EngineConfig
 from pagedllm.core.scheduler import Scheduler
 from pagedllm.engine.protocol import EngineCoreOutputs, EngineCoreRequest
+from pagedllm.executor import Executor
 from pagedllm.request import Request, RequestStatus
 from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.manager import StructuredOutputManager
@@ -23,11 +24,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig, grammar_compiler: GrammarCompiler | None = None) -> None:
         """``grammar_compiler``: share the front end's (in-process engines) so a constraint the
         front end checked is not compiled twice."""
-        from pagedllm.executor.uniproc import UniProcExecutor
-
         start = time.perf_counter()
         self.config = config
-        self.executor = UniProcExecutor(config)
+        self.executor = make_executor(config)
         phases = self.executor.startup
         with phases.phase("KV sizing"):  # CUDA: a profiling forward of the largest step
             self.num_blocks = self.executor.determine_num_blocks()
@@ -98,3 +97,18 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (a no-op in process)."""
+        self.executor.shutdown()
+
+
+def make_executor(config: EngineConfig) -> Executor:
+    """In process for one rank; one worker process per rank for tensor parallelism."""
+    if config.parallel_config.tensor_parallel_size > 1:
+        from pagedllm.executor.multiproc import MultiprocExecutor
+
+        return MultiprocExecutor(config)
+    from pagedllm.executor.uniproc import UniProcExecutor
+
+    return UniProcExecutor(config)

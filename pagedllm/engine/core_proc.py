@@ -235,6 +235,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
         proc.run()
     finally:
         proc.shutdown()
+        core.shutdown()
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -84,5 +84,9 @@ class LLMEngine:
     def check_integrity(self) -> None:
         self.engine_core.check_integrity()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); also done at exit."""
+        self.engine_core.shutdown()
+
     def get_tokenizer(self) -> Any:
         return self.tokenizer

@@ -32,3 +32,6 @@ class UniProcExecutor:
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
+
+    def shutdown(self) -> None:
+        """Nothing to stop: the worker lives and dies with this process."""

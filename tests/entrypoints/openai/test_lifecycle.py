@@ -132,10 +132,10 @@ def test_help_lists_every_flag():
     assert "vllm:" in serve.stdout  # the metric prefix is documented
 
 
-def test_tensor_parallel_is_a_clear_startup_error(server_model_dir):
-    proc = run_cli("serve", str(server_model_dir), "--port", str(free_port()), "--tensor-parallel-size", "2")
+def test_indivisible_tensor_parallel_is_a_clear_startup_error(server_model_dir):
+    proc = run_cli("serve", str(server_model_dir), "--port", str(free_port()), "--tensor-parallel-size", "3")
     assert proc.returncode == 2
-    assert "tensor" in proc.stderr and "Traceback" not in proc.stderr
+    assert "valid sizes" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_bad_flags_exit_2(server_model_dir, tmp_path):

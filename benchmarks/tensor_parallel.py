@@ -1,0 +1,176 @@
+"""Decode step time at tensor-parallel size 2 (one thread per rank) against one rank.
+
+    python -m benchmarks.tensor_parallel [--batch 16] [--rounds 30]
+
+Model: the SmolLM-135M shape (vocab 49152, hidden 576, 30 layers, fp32, dummy weights) except its
+heads: 9 query / 3 KV heads cannot be split in two, so this uses 12 query / 4 KV heads of 48,
+which keeps every weight matrix the same size (q 576, k and v 192 wide). Each configuration runs
+in its own process (``OMP_NUM_THREADS`` set before torch starts): TP=1 with 1 thread, TP=1 with
+2 threads (the same two cores TP=2 gets), each with and without the fused decode stack (which
+stands aside at TP > 1), and TP=2 with 1 thread per rank, all-reducing through shared memory
+(``distributed/shm_allreduce.py``, the default on x86) and through gloo. Each holds ``batch``
+running requests (32-token prompts); after warm-up, every engine step is one decode step of the
+whole batch; reported: the median step over ``rounds`` steps and tokens per second.
+
+Bytes all-reduced per token (counted, not measured): two all-reduces of the hidden state per
+layer (o_proj, down_proj) plus one for the vocab-parallel embedding, each ``hidden x 4`` bytes in
+fp32; the LM head all-gathers each sampled row's logits (``vocab x 4`` bytes assembled per row).
+The script also times one all-reduce of a step's hidden states between two processes, through
+gloo and through shared memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+SHAPE = dict(num_attention_heads=12, num_key_value_heads=4, head_dim=48)
+
+
+def _model_dir(path: Path) -> Path:
+    from pagedllm.entrypoints.bench.common import write_dummy_model_dir
+
+    write_dummy_model_dir(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(SHAPE)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def _one(model_dir: str, tp: int, batch: int, rounds: int) -> dict[str, Any]:
+    """Run in a child process: one engine, median decode step."""
+    import torch
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model_dir,
+            load_format="dummy",
+            dtype="float32",
+            enable_prefix_caching=False,
+            max_num_seqs=batch,
+            kv_cache_memory=1,
+            tensor_parallel_size=tp,
+        )
+    )
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(32)]}, params)
+    for _ in range(4):  # prefill and warm-up
+        engine.step()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.shutdown()
+    step = statistics.median(times)
+    return {"tp": tp, "threads": torch.get_num_threads(), "step_ms": step * 1e3, "tok_s": batch / step}
+
+
+def _allreduce_worker(rank: int, port: int, numel: int, rounds: int, shm: bool, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    from pagedllm.distributed.shm_allreduce import ShmAllReduce
+
+    reduce = ShmAllReduce(rank, 2).all_reduce if shm else dist.all_reduce
+    x = torch.randn(numel)
+    for _ in range(10):
+        reduce(x)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        reduce(x)
+        times.append(time.perf_counter() - start)
+    if rank == 0:
+        out.put(statistics.median(times))
+    dist.destroy_process_group()
+
+
+def allreduce_ms(numel: int, shm: bool, rounds: int = 200) -> float:
+    """Median time of one all-reduce (shared memory or gloo) of ``numel`` fp32 values between two processes."""
+    import multiprocessing as mp
+
+    from pagedllm.executor.multiproc import _free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_allreduce_worker, args=(r, port, numel, rounds, shm, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    return float(result) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--one", type=int, metavar="TP", help=argparse.SUPPRESS)  # a child: one engine
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(_one(args.model_dir, args.one, args.batch, args.rounds)))
+        return
+    from pagedllm.entrypoints.bench.common import env_line, environment, format_table
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="tp-bench-") as tmp:
+        model_dir = str(_model_dir(Path(tmp)))
+        # The fused decode stack (layers/cpu_decode_stack.py) runs at one rank only: the TP=1
+        # rows without it show what TP=2 is up against module for module.
+        configs = [(1, 1, "1", "1"), (1, 1, "0", "1"), (1, 2, "1", "1"), (1, 2, "0", "1")]
+        configs += [(2, 1, "0", "1"), (2, 1, "0", "0")]  # TP=2: shared-memory, then gloo all-reduce
+        for tp, threads, stack, shm in configs:
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PAGEDLLM_CPU_DECODE_STACK": stack}
+            env["PAGEDLLM_SHM_ALLREDUCE"] = shm
+            cmd = [sys.executable, "-m", "benchmarks.tensor_parallel", "--one", str(tp)]
+            cmd += ["--model-dir", model_dir, "--batch", str(args.batch), "--rounds", str(args.rounds)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            path = "decode stack" if tp == 1 and stack == "1" else "modules"
+            if tp > 1:
+                path += ", shm all-reduce" if shm == "1" else ", gloo all-reduce"
+            rows.append((f"TP={tp}", f"{threads} per rank", path, r["step_ms"], r["tok_s"]))
+    hidden, layers, vocab = 576, 30, 49152
+    per_token = (2 * layers + 1) * hidden * 4
+    step_numel = args.batch * hidden
+    one = {name: allreduce_ms(step_numel, name == "shared-memory") for name in ("gloo", "shared-memory")}
+    print(env_line(environment()))
+    print(format_table(("config", "threads", "path", f"step ms (batch {args.batch})", "tok/s"), rows))
+    print(
+        f"all-reduced per token: {2 * layers + 1} x {hidden} x 4 B = {per_token} B ({per_token / 1024:.1f} KiB); "
+        f"per decode step of {args.batch}: {per_token * args.batch / 1024:.0f} KiB in {2 * layers + 1} all-reduces; "
+        f"LM head all-gather: {vocab * 4 // 1024} KiB of logits per sampled row"
+    )
+    for name, ms in one.items():
+        print(
+            f"{name} all-reduce of one step's hidden states ({step_numel} fp32, {step_numel * 4 // 1024} KiB): "
+            f"{ms:.3f} ms median -> {ms * (2 * layers + 1):.1f} ms of all-reduce per step"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,283 @@
+"""Executor with one worker process per tensor-parallel rank (``tensor_parallel_size > 1``).
+
+Every rank, rank 0 included, is a child process (multiprocessing ``spawn``): the engine core's
+process never initialises ``torch.distributed`` nor changes its own torch thread count, so a
+TP=1 engine (or the user's code) in the same process is unaffected, and every rank is handled
+alike (start, death, shutdown). The cost is one pickled ``ModelRunnerOutput`` per step.
+
+Each step the engine core sends the ``SchedulerOutput`` down one pipe per rank, then waits for
+every rank's answer; rank 0's is the step's result (the others answer ``None``). Every rank
+samples the same tokens: the logits are all-gathered (bit-identical on every rank), and every
+rank seeds torch alike and draws in the same order, so workers' per-request state never
+diverges. The waits watch each worker's process sentinel: a rank that dies makes the step raise
+at once, naming it, and a rank that goes silent raises after ``PAGEDLLM_EXECUTOR_TIMEOUT_S``.
+
+Crash safety: each worker arms ``PR_SET_PDEATHSIG`` (SIGKILL) first thing and exits if its
+parent is already gone; ``shutdown()`` (also run at garbage collection and interpreter exit)
+asks every rank to stop, then terminates and kills what is left.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+import weakref
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from pagedllm import cpu_info, envs
+from pagedllm.config import EngineConfig
+from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.metrics.startup import StartupPhases
+
+logger = logging.getLogger(__name__)
+
+_INIT_TIMEOUT_S = 60.0  # torch.distributed rendezvous and gloo collectives (the default is 30 min)
+_STARTUP_TIMEOUT_S = 600.0  # loading the weights, compiling the CPU kernels
+_STOP_TIMEOUT_S = 5.0
+
+
+def threads_per_rank(world_size: int) -> int:
+    """Split the usable cores between the ranks (at least one each): more threads than cores
+    across ranks is a 7-8x slowdown (docs: distributed facts)."""
+    return max(1, cpu_info.usable_cpus() // world_size)
+
+
+class WorkerDiedError(RuntimeError):
+    """A tensor-parallel worker process exited or stopped answering."""
+
+
+class MultiprocExecutor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.world_size = config.parallel_config.tensor_parallel_size
+        self.startup = StartupPhases()
+        ctx = mp.get_context("spawn")
+        if mp.current_process().daemon:
+            # A server's engine core is a daemon process, which multiprocessing forbids children;
+            # the flag only acts at an orderly exit, and our workers are reaped by shutdown() and
+            # die with us anyway (PDEATHSIG).
+            mp.current_process().daemon = False
+        port = _free_port()
+        threads = threads_per_rank(self.world_size)
+        self.procs: list[BaseProcess] = []
+        self.conns: list[Connection] = []
+        self._closed = False
+        start = time.perf_counter()
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(config, rank, self.world_size, port, threads, os.getpid(), child_end),
+                name=f"pagedllm-tp{rank}",
+                daemon=True,
+            )
+            proc.start()  # from the constructing thread: PDEATHSIG follows that thread's life
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        try:
+            answers = self._gather(_STARTUP_TIMEOUT_S, "start-up")
+        except BaseException:
+            self._abort()
+            raise
+        self.startup.add("worker processes", time.perf_counter() - start)
+        for name, seconds in answers[0].items():  # rank 0's phases stand for all
+            self.startup.add(f"rank 0 {name}", seconds)
+        logger.info(
+            "tensor parallel: %d worker processes (pids %s), %d intra-op thread(s) each",
+            self.world_size,
+            [p.pid for p in self.procs],
+            threads,
+        )
+
+    # ------------------------------------------------------------------ the executor interface
+    def determine_num_blocks(self) -> int:
+        return int(min(self._call("determine_num_blocks")))
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self._call("initialize_kv_cache", num_blocks)
+
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        result = self._call("execute_model", sched, timeout=envs.executor_timeout_s())[0]
+        assert isinstance(result, ModelRunnerOutput)
+        return result
+
+    def shutdown(self) -> None:
+        """Stop every rank (idempotent)."""
+        if not self._closed:
+            self._closed = True
+            self._finalizer()
+
+    # ------------------------------------------------------------------ transport
+    def _call(self, method: str, *args: Any, timeout: float = _STARTUP_TIMEOUT_S) -> list[Any]:
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel workers are shut down")
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, ConnectionResetError, OSError) as e:
+                self._abort()
+                raise self._died(rank, method) from e
+        return self._gather(timeout, method)
+
+    def _gather(self, timeout: float, what: str) -> list[Any]:
+        """Every rank's answer to the last request; raises when a rank dies, fails or times out."""
+        answers: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self.conns))
+        sentinels = {p.sentinel: rank for rank, p in enumerate(self.procs)}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._abort()
+                ranks = sorted(pending)
+                raise WorkerDiedError(
+                    f"tensor-parallel worker rank(s) {ranks} did not answer {what!r} within {timeout:.0f} s"
+                )
+            ready = wait([*pending.values(), *sentinels], left)
+            for obj in ready:
+                if obj in sentinels:  # a process exited: read its last answer first (an error message)
+                    rank = sentinels[obj]
+                    if rank in pending and pending[rank].poll():
+                        continue
+                    self._abort()
+                    raise self._died(rank, what)
+                rank = next(r for r, c in pending.items() if c is obj)
+                try:
+                    ok, payload = pending[rank].recv()
+                except (EOFError, OSError) as e:
+                    self._abort()
+                    raise self._died(rank, what) from e
+                if not ok:
+                    self._abort()
+                    if isinstance(payload, ValueError):  # a setting that does not fit: the user's to fix
+                        raise ValueError(f"{payload} (tensor-parallel rank {rank})")
+                    raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed in {what!r}: {payload}")
+                answers[rank] = payload
+                del pending[rank]
+        return [answers[r] for r in range(self.world_size)]
+
+    def _abort(self) -> None:
+        """A rank failed: the others may be waiting for it inside a collective, deaf to a polite
+        stop, so terminate them now, then reap."""
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+        self.shutdown()
+
+    def _died(self, rank: int, what: str) -> WorkerDiedError:
+        proc = self.procs[rank]
+        proc.join(0.1)
+        code = proc.exitcode
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+        return WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {what!r} ({how})")
+
+
+def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
+    """Ask politely, then terminate, then kill; reap every worker."""
+    for conn in conns:
+        with contextlib.suppress(OSError, ValueError):
+            conn.send(("shutdown", ()))
+    deadline = time.monotonic() + _STOP_TIMEOUT_S
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(1.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(1.0)
+    for conn in conns:
+        conn.close()
+
+
+def _portable(exc: Exception) -> Exception:
+    """A worker's exception as the engine core will get it: ValueError as is, anything else by name."""
+    return ValueError(str(exc)) if isinstance(exc, ValueError) else RuntimeError(f"{type(exc).__name__}: {exc}")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """No orphans: on Linux, get SIGKILL when the parent (thread) dies; exit if it already has."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        raise SystemExit(1)
+
+
+def _worker_main(
+    config: EngineConfig, rank: int, world_size: int, port: int, threads: int, parent_pid: int, conn: Connection
+) -> None:
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
+    if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
+        envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(envs.omp_num_threads()))
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
+        )
+        from pagedllm.distributed import shm_allreduce
+        from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
+        from pagedllm.worker.worker import Worker
+
+        shm = None
+        # Ranks spin while they wait for each other: only when each has a core of its own.
+        own_core = world_size <= cpu_info.usable_cpus()
+        if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
+            shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
+        set_tp_group(TPGroup(rank, world_size, None, shm))
+        worker = Worker(config)
+        worker.load_model()
+        conn.send((True, dict(worker.startup.seconds)))
+    except Exception as e:
+        conn.send((False, _portable(e)))
+        raise SystemExit(1) from e
+    try:
+        while True:
+            try:
+                method, args = conn.recv()
+            except EOFError:  # the engine core is gone
+                break
+            if method == "shutdown":
+                break
+            try:
+                result = getattr(worker, method)(*args)
+            except Exception as e:
+                logger.exception("rank %d failed in %s", rank, method)
+                conn.send((False, _portable(e)))
+                break
+            conn.send((True, result if rank == 0 or method == "determine_num_blocks" else None))
+    finally:
+        conn.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
