@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 
 import pytest
@@ -219,3 +220,16 @@ def test_max_logprobs_default_cap_and_flag(llama_model_dir):
     no_cap = _config(llama_model_dir, max_logprobs=-1).model_config
     assert no_cap.max_logprobs == -1 and no_cap.logprobs_cap == no_cap.arch.vocab_size
     assert build_parser().parse_args(["serve", "--max-logprobs", "7"]).max_logprobs == 7
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"tensor_parallel_size": 2, "enable_lora": True}, "--tensor-parallel-size 1 with --enable-lora"),
+        ({"runner": "pooling", "enable_lora": True}, "drop --enable-lora"),
+        ({"runner": "pooling", "speculative_config": {"method": "ngram"}}, "drop --speculative-config"),
+    ],
+)
+def test_options_that_do_not_combine_name_what_to_drop(llama_model_dir, kwargs, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        EngineArgs(model=str(llama_model_dir), **kwargs).create_engine_config()

@@ -99,6 +99,12 @@ class EngineArgs(
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def check_combinations(self, runner: str) -> None:
+        """Options that each make sense alone but not together: a ValueError naming what to drop."""
+        errors = _combination_errors(self, runner)
+        if errors:
+            raise ValueError("; ".join(errors))
+
     def create_engine_config(self, usage_context: str = "llm") -> EngineConfig:
         """The checked configuration. ``usage_context`` ("llm": offline batches, "serve": the
         OpenAI server) picks defaults that depend on the workload (the step token budget)."""
@@ -111,12 +117,7 @@ class EngineArgs(
         device = self.resolve_device()
         model_config = self.create_model_config(model_dir, arch, device, self.load_format)
         runner = self.resolve_runner(arch)
-        if runner == "pooling" and self.speculative_config is not None:
-            raise ValueError(
-                "speculative decoding speeds up generation; an embedding (pooling) engine generates nothing: drop --speculative-config"
-            )
-        if runner == "pooling" and self.enable_lora:
-            raise ValueError("LoRA adapters serve generation; an embedding (pooling) engine cannot: drop --enable-lora")
+        self.check_combinations(runner)
         if runner == "pooling":
             model_config = replace(
                 model_config, runner=runner, pooler_config=self.create_pooler_config(model_dir, arch)
@@ -145,6 +146,23 @@ class EngineArgs(
                 )
         check_kv_budget(config)
         return config
+
+
+def _combination_errors(args: EngineArgs, runner: str) -> list[str]:
+    errors = []
+    if runner == "pooling" and args.speculative_config is not None:
+        errors.append(
+            "speculative decoding speeds up generation; an embedding (pooling) engine generates nothing: "
+            "drop --speculative-config"
+        )
+    if runner == "pooling" and args.enable_lora:
+        errors.append("LoRA adapters serve generation; an embedding (pooling) engine cannot: drop --enable-lora")
+    if args.enable_lora and args.tensor_parallel_size != 1:
+        errors.append(
+            "LoRA adapters are not split across tensor-parallel ranks yet: use --tensor-parallel-size 1 "
+            "with --enable-lora"
+        )
+    return errors
 
 
 def encoder_only_configs(scheduler: SchedulerConfig, cache: CacheConfig) -> tuple[SchedulerConfig, CacheConfig]:
