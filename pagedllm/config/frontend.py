@@ -113,6 +113,12 @@ class FrontendArgs:
         "the connection opened or its previous response (slow-header clients hold no connection forever)",
         metavar="SECONDS",
     )
+    body_read_timeout: float = option(
+        30.0,
+        "answer 408 to a request whose body has not all arrived this many seconds after its headers "
+        "(slow-body clients hold no admission slot forever)",
+        metavar="SECONDS",
+    )
     disable_fastapi_docs: bool = option(
         False, "do not serve /docs, /redoc and /openapi.json (with --api-key they need the key)"
     )

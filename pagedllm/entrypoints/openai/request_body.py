@@ -17,6 +17,7 @@ each is a 400 naming the field.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any, TypeVar
 
@@ -39,7 +40,8 @@ async def json_object_body(raw_request: Request) -> dict:
             "the body as JSON with the header 'Content-Type: application/json'",
             param="Content-Type",
         )
-    raw = await read_body(raw_request, raw_request.app.state.server_state.options.limits.max_request_body_bytes)
+    limits = raw_request.app.state.server_state.options.limits
+    raw = await read_body(raw_request, limits.max_request_body_bytes, limits.body_read_timeout)
     try:
         body = json.loads(raw)
     except RecursionError:
@@ -52,11 +54,24 @@ async def json_object_body(raw_request: Request) -> dict:
     return body
 
 
-async def read_body(raw_request: Request, limit: int) -> bytes:
-    """The whole body, or a 413 once it is (or says it will be) larger than ``limit`` bytes."""
+async def read_body(raw_request: Request, limit: int, timeout: float | None = None) -> bytes:
+    """The whole body, or a 413 once it is (or says it will be) larger than ``limit`` bytes, or a
+    408 when it has not all arrived within ``timeout`` seconds (None: no deadline)."""
     declared = raw_request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(f"{int(declared)} bytes", limit)
+    try:
+        async with asyncio.timeout(timeout):
+            return await _stream_body(raw_request, limit)
+    except TimeoutError:
+        raise OpenAIError(
+            f"the request body did not all arrive within {timeout:g} s (this server's --body-read-timeout); "
+            "send the whole body at once",
+            408,
+        ) from None
+
+
+async def _stream_body(raw_request: Request, limit: int) -> bytes:
     body = bytearray()
     async for chunk in raw_request.stream():
         body += chunk

@@ -20,6 +20,7 @@ class HttpLimits:
     max_request_body_bytes: int = 32 * 1024 * 1024
     timeout_keep_alive: int = 5
     header_read_timeout: float = 20.0
+    body_read_timeout: float = 30.0
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> HttpLimits:

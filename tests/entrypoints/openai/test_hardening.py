@@ -41,6 +41,8 @@ def srv(server_model_dir):
         str(BODY_LIMIT),
         "--header-read-timeout",
         "1",
+        "--body-read-timeout",
+        "1",
         "--timeout-keep-alive",
         "1",
         "--disable-uvicorn-access-log",
@@ -204,6 +206,22 @@ def test_half_sent_headers_are_closed_within_the_timeout(srv):
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
         assert httpx.get(srv.url_for("health"), timeout=5).status_code == 200  # others are served meanwhile
         assert closed_after(sock, b"X-Slow: " + b"y" * 100) < 4  # trickling does not extend the deadline
+
+
+def test_a_half_sent_body_is_a_408_within_the_timeout(srv):
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        + f"Authorization: Bearer {KEY}\r\nContent-Length: 200\r\n\r\n".encode()
+    )
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+        started = time.monotonic()
+        sock.sendall(head + b'{"model": "tiny", "prompt": ')  # and nothing more
+        answer = sock.recv(65536)
+        assert time.monotonic() - started < 4, "the 1 s body deadline"
+    assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+    error = json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]
+    assert "--body-read-timeout" in error["message"] and error["code"] == 408
+    assert httpx.get(srv.url_for("health"), timeout=5).status_code == 200  # the server is fine
 
 
 def test_idle_and_slow_keep_alive_connections_are_closed(srv):
