@@ -101,6 +101,25 @@ def test_tp2_greedy_matches_tp1(fixture, request):
     assert _all_gone(workers)
 
 
+@pytest.mark.parametrize("fixture", ["llama_model_dir", "bert_model_dir"])
+def test_tp2_embeddings_match_tp1(fixture, request):
+    """The pooling runner at TP=2: a decoder's last-token and an encoder's mean embeddings."""
+    model_dir = str(request.getfixturevalue(fixture))
+    kwargs = dict(runner="pooling", dtype="float32", num_gpu_blocks_override=64)
+    texts = PROMPTS[:3]  # within the tiny encoder's 128 positions
+    reference = [o.outputs.embedding for o in LLM(model_dir, **kwargs).embed(texts, use_tqdm=False)]
+    llm = LLM(model_dir, tensor_parallel_size=2, **kwargs)
+    workers = _workers(llm)
+    try:
+        got = [o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)]
+        for a, b in zip(got, reference):
+            assert a == pytest.approx(b, abs=1e-5)
+        llm.llm_engine.check_integrity()
+    finally:
+        llm.llm_engine.shutdown()
+    assert _all_gone(workers)
+
+
 def test_tp2_over_gloo_matches_tp1(llama_model_dir, monkeypatch):
     """The all-reduce through gloo (the shared-memory one turned off, as on non-x86 machines)."""
     model_dir = str(llama_model_dir)
