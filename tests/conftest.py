@@ -38,13 +38,17 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFactory
     """`tiny_model_dir(arch, **kw)` -> dir of a tiny HF model; built once per session per kwargs."""
     from pagedllm.demo.tiny import build_tiny_model
 
-    root = tmp_path_factory.mktemp("tiny_models")
+    return _built_once(tmp_path_factory.mktemp("tiny_models"), build_tiny_model, "llama")
+
+
+def _built_once(root: Path, build: Callable[..., Path], default_arch: str) -> TinyModelFactory:
+    """``build(dir, arch, **kw)`` once per (arch, kw) under ``root``; later calls reuse the dir."""
     built: dict[str, Path] = {}
 
-    def make(arch: str = "llama", **kw: Any) -> Path:
+    def make(arch: str = default_arch, **kw: Any) -> Path:
         key = f"{arch}-{hashlib.sha1(repr(sorted(kw.items())).encode()).hexdigest()[:12]}"
         if key not in built:
-            built[key] = build_tiny_model(root / key, arch, **kw)
+            built[key] = build(root / key, arch, **kw)
         return built[key]
 
     return make
@@ -79,16 +83,7 @@ def tiny_encoder_dir(tmp_path_factory: pytest.TempPathFactory) -> TinyModelFacto
     files (see ``build_tiny_encoder``); built once per session per arguments."""
     from pagedllm.demo.tiny import build_tiny_encoder
 
-    root = tmp_path_factory.mktemp("tiny_encoders")
-    built: dict[str, Path] = {}
-
-    def make(arch: str = "bert", **kw: Any) -> Path:
-        key = f"{arch}-{hashlib.sha1(repr(sorted(kw.items())).encode()).hexdigest()[:12]}"
-        if key not in built:
-            built[key] = build_tiny_encoder(root / key, arch, **kw)
-        return built[key]
-
-    return make
+    return _built_once(tmp_path_factory.mktemp("tiny_encoders"), build_tiny_encoder, "bert")
 
 
 @pytest.fixture(scope="session")

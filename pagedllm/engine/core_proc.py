@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
-import os
 import queue
 import signal
 import threading
@@ -22,6 +21,7 @@ import zmq
 
 from pagedllm.config import EngineConfig
 from pagedllm.engine.protocol import EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType, UtilityResult
+from pagedllm.executor import die_with_parent
 from pagedllm.sampling_params import StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -218,7 +218,7 @@ def _grammar_verdict(call_id: int, future: cf.Future) -> UtilityResult:
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready_conn: Any, parent_pid: int) -> None:
     """Process entry point. Reports ready (or the start-up error) through ``ready_conn``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
     try:
         from pagedllm.engine.core import EngineCore
@@ -236,16 +236,3 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     finally:
         proc.shutdown()
         core.shutdown()
-
-
-def _die_with_parent(parent_pid: int) -> None:
-    """No orphan engines: on Linux, get SIGKILL when the front end dies."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
-        raise SystemExit(1)

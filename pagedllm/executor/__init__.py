@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Protocol
 
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -21,3 +23,17 @@ class Executor(Protocol):
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
     def shutdown(self) -> None: ...
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """A child's first act (engine core, tensor-parallel worker): on Linux, get SIGKILL when its
+    parent thread dies (PR_SET_PDEATHSIG), and exit now if that parent is already gone."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+    if os.getppid() != parent_pid:
+        raise SystemExit(1)

@@ -34,6 +34,7 @@ from typing import Any
 from pagedllm import cpu_info, envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor import die_with_parent
 from pagedllm.metrics.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
@@ -209,19 +210,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """No orphans: on Linux, get SIGKILL when the parent (thread) dies; exit if it already has."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-    if os.getppid() != parent_pid:
-        raise SystemExit(1)
 
 
 def _worker_main(

@@ -37,6 +37,7 @@ class BlockPool:
         # Blocks handed out since the last take_kv_copies(): their content is not settled until
         # the step runs, so evicting one again in the same step must not copy it to the tier.
         self._reused_this_step: set[int] = set()
+        self.num_partial_blocks = 0  # indexed partial blocks: none means a lookup need not hash any
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding ``block_hash`` in the prefix cache, or None."""
@@ -63,7 +64,9 @@ class BlockPool:
             self.swap_tier.offer(block.block_hash, block.block_id)
         del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
-        block.is_partial = False
+        if block.is_partial:
+            block.is_partial = False
+            self.num_partial_blocks -= 1
 
     def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The planned step's tier copies, (swap-outs, swap-ins) of (block id, slot); ends the step."""
@@ -110,6 +113,7 @@ class BlockPool:
             return  # shared or already indexed: leave it alone
         if partial_hash not in self.cached_block_hash_to_block:
             block.block_hash, block.is_partial = partial_hash, True
+            self.num_partial_blocks += 1
             self.cached_block_hash_to_block[partial_hash] = block
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
@@ -138,6 +142,7 @@ class BlockPool:
         self.cached_block_hash_to_block.clear()
         for block in self.blocks:
             block.is_partial = False
+        self.num_partial_blocks = 0
         self.swap_tier.reset()
         for block in self.blocks:
             block.block_hash = None
@@ -193,4 +198,7 @@ class BlockPool:
         ]
         if self.null_block.block_hash is not None or self.null_block.prev_free_block is not None:
             errors.append("the null block is cached or in the free queue")
+        partial = sum(1 for b in self.blocks if b.is_partial)
+        if partial != self.num_partial_blocks or any(b.is_partial and b.block_hash is None for b in self.blocks):
+            errors.append(f"{partial} blocks are indexed partial blocks but the pool counts {self.num_partial_blocks}")
         return errors

@@ -106,6 +106,8 @@ class KVCacheManager:
     def _find_partial_hit(self, request: Request, block_index: int) -> tuple[KVCacheBlock, int] | None:
         """The longest cached partial block that continues the request's tokens after its
         ``block_index`` full blocks (leaving the last token to compute), as (block, tokens)."""
+        if not self.block_pool.num_partial_blocks:
+            return None  # no partial entry to find: skip hashing 15 candidate lengths
         limit = min(self.block_size - 1, request.num_tokens - 1 - block_index * self.block_size)
         for num_tokens in range(limit, 0, -1):
             block = self.block_pool.get_cached_block(

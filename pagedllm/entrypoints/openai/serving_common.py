@@ -332,6 +332,15 @@ class OpenAIServing:
             generators = [self.models.tracked(lora.lora_name, g) for g in generators]
         return OutputStream(generators)
 
+    def failure_response(self, exc: Exception, request: BaseModel) -> Response:
+        """A request that failed: the client hung up (499), bad input (400, OpenAI's error body),
+        anything else (500)."""
+        if isinstance(exc, ClientDisconnected):
+            return Response(status_code=499)
+        if isinstance(exc, ValueError):
+            return self.bad_request(exc, request)
+        return server_error_response(exc)
+
     async def respond(
         self,
         stream: OutputStream,
@@ -353,12 +362,8 @@ class OpenAIServing:
                 return sse_response(make_events(stream), stream)
             outputs = await until_disconnected(_collect(stream), raw_request)
             return JSONResponse(make_body(outputs))
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except ValueError as exc:
-            return self.bad_request(exc, request)
         except Exception as exc:
-            return server_error_response(exc)
+            return self.failure_response(exc, request)
         finally:
             if not handed_over:
                 stream.close()

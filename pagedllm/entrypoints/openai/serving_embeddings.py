@@ -14,11 +14,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from pagedllm.entrypoints.openai.engine_client import EngineClient
-from pagedllm.entrypoints.openai.errors import RequestParamError, server_error_response
+from pagedllm.entrypoints.openai.errors import RequestParamError
 from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.serving_common import (
-    ClientDisconnected,
     OpenAIServing,
     now_s,
     random_id,
@@ -56,12 +55,8 @@ class OpenAIServingEmbedding(OpenAIServing):
         input 400 (OpenAI's error body), anything else 500."""
         try:
             return JSONResponse(await body)
-        except ClientDisconnected:
-            return Response(status_code=499)
-        except ValueError as exc:
-            return self.bad_request(exc, request)
         except Exception as exc:
-            return server_error_response(exc)
+            return self.failure_response(exc, request)
 
     async def _embeddings(self, request: EmbeddingRequest, raw_request: Request) -> dict:
         self.check_count(len(request.inputs()), "inputs", "input")
