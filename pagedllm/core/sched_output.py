@@ -91,6 +91,9 @@ class ModelRunnerOutput:
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> the finished embedding (float32 bytes) of a pooling request whose prompt ended this step.
     pooler_output: dict[str, bytes] = field(default_factory=dict)
+    # req_id -> why the worker could not serve it this step (e.g. its LoRA adapter's files failed
+    # to load): the scheduler finishes it with an error and drops its KV from the prefix cache.
+    errors: dict[str, str] = field(default_factory=dict)
 
 
 from pagedllm.engine.protocol import LogprobsLists  # noqa: E402  (type only; torch-free)

@@ -293,6 +293,10 @@ class Scheduler:
     ) -> EngineCoreOutput | None:
         """One scheduled request's results; None when it has nothing to report this step."""
         req_id = request.request_id
+        error = runner_output.errors.get(req_id)
+        if error is not None:
+            request.status, request.stop_reason = RequestStatus.FINISHED_ERROR, error
+            return make_output(request, [], runner_output, None)
         pooled = runner_output.pooler_output.get(req_id)
         if pooled is not None:
             return self._pooled_output(request, pooled)
@@ -322,7 +326,8 @@ class Scheduler:
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         request.status = status
-        self.kv_cache_manager.free(request)
+        # An errored request's KV may be wrong (its step ran without what it needed): uncache it.
+        self.kv_cache_manager.free(request, discard=status == RequestStatus.FINISHED_ERROR)
         if self.spec_policy is not None:
             self.spec_policy.forget(request.request_id)
         self.finished_req_ids.add(request.request_id)

@@ -62,11 +62,7 @@ class BlockPool:
         assert self.cached_block_hash_to_block.get(block.block_hash) is block, block
         if block.block_id not in self._reused_this_step and not block.is_partial:
             self.swap_tier.offer(block.block_hash, block.block_id)
-        del self.cached_block_hash_to_block[block.block_hash]
-        block.block_hash = None
-        if block.is_partial:
-            block.is_partial = False
-            self.num_partial_blocks -= 1
+        self._uncache(block)
 
     def take_kv_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The planned step's tier copies, (swap-outs, swap-ins) of (block id, slot); ends the step."""
@@ -116,15 +112,27 @@ class BlockPool:
             self.num_partial_blocks += 1
             self.cached_block_hash_to_block[partial_hash] = block
 
-    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
-        """Drop one reference per block; blocks reaching 0 join the free-queue tail in order."""
+    def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock], uncache: bool = False) -> None:
+        """Drop one reference per block; blocks reaching 0 join the free-queue tail in order
+        (``uncache``: leaving the prefix cache too, for KV that must not be reused)."""
         for block in ordered_blocks:
             if block.is_null:
                 continue
             block.ref_cnt -= 1
             assert block.ref_cnt >= 0, block
             if block.ref_cnt == 0:
+                if uncache:
+                    self._uncache(block)
                 self.free_block_queue.append(block)
+
+    def _uncache(self, block: KVCacheBlock) -> None:
+        if block.block_hash is None:
+            return
+        del self.cached_block_hash_to_block[block.block_hash]
+        block.block_hash = None
+        if block.is_partial:
+            block.is_partial = False
+            self.num_partial_blocks -= 1
 
     def get_num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free uncached + free cached)."""

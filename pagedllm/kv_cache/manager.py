@@ -206,11 +206,12 @@ class KVCacheManager:
             self.block_pool.cache_full_blocks(table, request.block_hashes, num_cached, num_full)
             self.num_cached_block[request.request_id] = num_full
 
-    def free(self, request: Request) -> None:
+    def free(self, request: Request, discard: bool = False) -> None:
         """Release the request's blocks; a no-op for a request that holds none.
 
         Tail blocks are freed first so that they are evicted first: a later request sharing
-        this prefix is likelier to need the head blocks.
+        this prefix is likelier to need the head blocks. ``discard``: the request failed and its
+        KV may be wrong, so the blocks it held alone leave the prefix cache as they are freed.
         """
         blocks = self.req_to_blocks.pop(request.request_id, None)
         if self._tier_hits is not None and self._tier_hits[0] == request.request_id:
@@ -219,8 +220,9 @@ class KVCacheManager:
             self._partial_hit = None
         self.num_cached_block.pop(request.request_id, None)
         if blocks is not None:
-            self._cache_partial_tail(request, blocks)
-            self.block_pool.free_blocks(reversed(blocks))
+            if not discard:
+                self._cache_partial_tail(request, blocks)
+            self.block_pool.free_blocks(reversed(blocks), uncache=discard)
 
     def _cache_partial_tail(self, request: Request, blocks: list[KVCacheBlock]) -> None:
         """Index the request's last, partly computed block under its computed tokens, so that a

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from torch import nn
 
@@ -79,25 +80,33 @@ class LoRAModelManager:
         self.num_loads = 0  # adapters read from disk (for tests and logs)
 
     # ------------------------------------------------------------------ one step
-    def prepare(self, token_lora_ids: np.ndarray, requests: dict[int, LoRARequest]) -> LoRAStep:
-        """Put the step's adapters in slots; the mask for its tokens (0 ids: the base model)."""
+    def prepare(self, token_lora_ids: np.ndarray, requests: dict[int, LoRARequest]) -> tuple[LoRAStep, dict[int, str]]:
+        """Put the step's adapters in slots; the mask for its tokens (0 ids: the base model), and
+        lora_int_id -> why, for adapters that failed to load (their rows run the base model and
+        the caller fails their requests: their output is never reported)."""
         slot_table = np.full(max(requests) + 1, -1, dtype=np.int64)
-        for lora_id, slot in self.activate(requests).items():
+        slots, failed = self.activate(requests)
+        for lora_id, slot in slots.items():
             slot_table[lora_id] = slot
         token_slots = torch.from_numpy(slot_table[token_lora_ids]).to(self.device)
-        return make_step(token_slots, self.config.max_loras, self.config.max_lora_rank, self.dtype)
+        return make_step(token_slots, self.config.max_loras, self.config.max_lora_rank, self.dtype), failed
 
-    def activate(self, requests: dict[int, LoRARequest]) -> dict[int, int]:
-        """lora_int_id -> slot for every adapter of the step, loading those not in a slot."""
+    def activate(self, requests: dict[int, LoRARequest]) -> tuple[dict[int, int], dict[int, str]]:
+        """lora_int_id -> slot for every adapter of the step, loading those not in a slot; and
+        lora_int_id -> why for those whose files could not be read (changed since intake)."""
         if len(requests) > self.config.max_loras:
             raise RuntimeError(f"a step uses {len(requests)} adapters but max_loras is {self.config.max_loras}")
         for lora_id in requests:
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
+        failed: dict[int, str] = {}
         for lora_id, request in requests.items():
             if lora_id not in self.slot_of:
-                self._load_into_slot(request, self._free_slot(requests))
-        return {lora_id: self.slot_of[lora_id] for lora_id in requests}
+                try:
+                    self._load_into_slot(request, self._free_slot(requests))
+                except (OSError, ValueError, KeyError, SafetensorError) as exc:
+                    failed[lora_id] = f"LoRA adapter {request.lora_name!r} could not be loaded: {exc}"
+        return {lora_id: self.slot_of[lora_id] for lora_id in requests if lora_id not in failed}, failed
 
     def _free_slot(self, needed: dict[int, LoRARequest]) -> int:
         """An empty slot, else the least recently used one whose adapter the step does not need."""

@@ -149,10 +149,11 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch.prepare(sched, sampling=self.pooler is None)
-        hidden = self._forward(batch)
+        lora_mapping, errors = self._prepare_lora(batch)
+        hidden = self._forward(batch, lora_mapping)
         if self.pooler is not None:
             return ModelRunnerOutput(sampled_token_ids={}, pooler_output=self.pooler(batch, hidden, self.requests))
-        output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids})
+        output = ModelRunnerOutput(sampled_token_ids={r: [] for r in batch.req_ids}, errors=errors)
         prompt_logprobs(batch, hidden, self.requests, self.model.compute_logits, output.prompt_logprobs)
         emitted = self._sample(batch, hidden, output, sched.grammar_bitmask) if batch.sampling is not None else []
         # Every step, sampled or not: a draft model must see each prefill chunk to keep its KV whole.
@@ -160,18 +161,27 @@ class ModelRunner:
             self._propose(batch, hidden, emitted, output, sched.spec_token_limits)
         return output
 
-    def _forward(self, batch: BatchInputs) -> torch.Tensor:
+    def _forward(self, batch: BatchInputs, lora_mapping: Any = None) -> torch.Tensor:
         """Hidden states [T, hidden]: a CUDA graph replay for decode-only steps, else eager."""
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
-        with self._lora_scope(batch):
+        scope = contextlib.nullcontext() if lora_mapping is None else lora_step(lora_mapping)
+        with scope:
             return self.model(batch.input_ids, batch.positions, self.attention_metadata(batch.attn))
 
-    def _lora_scope(self, batch: BatchInputs) -> contextlib.AbstractContextManager:
-        """The step's LoRA mapping for the forward (nothing when no row runs an adapter)."""
+    def _prepare_lora(self, batch: BatchInputs) -> tuple[Any, dict[str, str]]:
+        """The step's LoRA mapping (None when no row runs an adapter), and req_id -> why for the
+        requests whose adapter failed to load: their rows run the base model and the scheduler
+        fails them, so none of that output reaches a client."""
         if self.lora is None or batch.lora is None:
-            return contextlib.nullcontext()
-        return lora_step(self.lora.prepare(batch.lora.token_lora_ids, batch.lora.requests))
+            return None, {}
+        mapping, failed = self.lora.prepare(batch.lora.token_lora_ids, batch.lora.requests)
+        errors = {}
+        for req_id in batch.req_ids if failed else ():
+            lora = self.requests[req_id].lora_request
+            if lora is not None and lora.lora_int_id in failed:
+                errors[req_id] = failed[lora.lora_int_id]
+        return mapping, errors
 
     def attention_metadata(self, attn: CommonAttentionMetadata) -> Any:
         """What the model's attention reads: the backend's metadata, or for an encoder the layout."""

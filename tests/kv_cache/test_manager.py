@@ -226,3 +226,20 @@ def test_kv_cache_imports_without_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_discarded_request_leaves_the_prefix_cache_but_shared_blocks_stay(managers: list[KVCacheManager]) -> None:
+    """A failed request's KV may be wrong: the blocks only it held stop answering lookups when it
+    is freed with discard=True; a block another request still holds keeps its index entry."""
+    manager = new_manager(managers, 8)
+    a = make_request("A", list(range(40)))
+    assert admit(manager, a) == [1, 2, 3]
+    b = make_request("B", list(range(16)) + [900 + i for i in range(20)])
+    assert admit(manager, b) == [1, 4, 5]  # shares A's first block
+    manager.free(a, discard=True)
+    assert free_ids(manager) == [6, 7, 3, 2]
+    assert [blk.block_id for blk in manager.block_pool.cached_block_hash_to_block.values()] == [1, 4]
+    assert manager.block_pool.num_partial_blocks == 0  # no partial tail indexed for a discarded request
+    again = make_request("A2", list(range(40)))
+    assert manager.get_computed_blocks(again)[1] == 16  # only the shared block still hits
+    manager.free(b)

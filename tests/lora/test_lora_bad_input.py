@@ -79,3 +79,34 @@ def test_lora_config_checks():
     with pytest.raises(ValueError, match="max_lora_rank"):
         EngineArgs(enable_lora=True, max_lora_rank=0).create_lora_config()
     assert EngineArgs(max_loras=3).create_lora_config() is None
+
+
+def test_adapter_whose_weights_break_after_intake_fails_only_its_request(llm, tmp_path, llama_model_dir, make_adapter):
+    """The worker reads the weights at the adapter's first step: a file truncated since intake's
+    header check fails that request with an error naming the adapter; the batch's other rows are
+    served, nothing of the failed rows' KV stays in the prefix cache, and the fixed file then
+    serves the same prompt correctly."""
+    import shutil
+
+    from tests.lora.conftest import hf_greedy
+
+    good = make_adapter(llama_model_dir, seed=7)
+    shutil.copytree(good, tmp_path / "flaky")
+    weights = tmp_path / "flaky" / "adapter_model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) - 64])  # the header still reads; the data is short
+    flaky = LoRARequest("flaky", 8, str(tmp_path / "flaky"))
+    prompt = [(7 * i + 3) % 500 for i in range(40)]  # two full blocks the prefix cache would index
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    served, failed = llm.generate([prompt, prompt], greedy, use_tqdm=False, lora_request=[None, flaky])
+    assert served.outputs[0].finish_reason == "length"
+    assert list(served.outputs[0].token_ids) == hf_greedy(llama_model_dir, None, prompt, 6)
+    assert failed.outputs[0].finish_reason == "error"
+    assert "'flaky' could not be loaded" in str(failed.outputs[0].stop_reason)
+    assert list(failed.outputs[0].token_ids) == []
+    assert_idle_and_intact(llm)
+    weights.write_bytes(whole)
+    (again,) = llm.generate([prompt], greedy, use_tqdm=False, lora_request=flaky)
+    assert list(again.outputs[0].token_ids) == hf_greedy(llama_model_dir, good, prompt, 6)
+    assert again.num_cached_tokens == 0, "a failed request's blocks must not answer prefix lookups"
+    assert_idle_and_intact(llm)
