@@ -11,6 +11,7 @@ holding ``batch`` running requests, stepped in turn every round so all see the s
   (steps with adapter rows keep the stack: it adds the deltas itself);
 - ``lora on, base rows``: ``--enable-lora`` but every request on the base model (the stack runs);
 - ``mixed``: ``--enable-lora --max-loras A``, the requests spread round-robin over A adapters;
+- ``mixed, bfloat16 slots``: the same with ``--lora-dtype bfloat16`` (half the adapter bytes);
 - ``one adapter``: batch / A requests of one adapter, the step of serving adapter by adapter
   (reported x A: the time to give every request one token that way).
 
@@ -113,6 +114,7 @@ def measure(
         "base, modules": _engine(model_dir, batch, [None], False),
         "lora on, base rows": _engine(model_dir, batch, [None], True, **lora),
         "mixed": _engine(model_dir, batch, list(loras), True, **lora),
+        "mixed, bfloat16 slots": _engine(model_dir, batch, list(loras), True, lora_dtype="bfloat16", **lora),
         "one adapter": _engine(model_dir, batch // len(loras), [loras[0]], True, **lora),
     }
     times: dict[str, list[float]] = {name: [] for name in engines}

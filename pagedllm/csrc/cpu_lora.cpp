@@ -8,7 +8,9 @@
 // Base-model tokens (slot -1) are skipped, so the work is the tokens' own adapters only, whatever
 // the number of slots; the zero rows of a smaller rank are skipped. Tokens of one slot run in
 // groups of up to 4, so each A and B vector loaded serves all of them, and the expand keeps y's
-// vectors in registers across the ranks. Threads split the groups.
+// vectors in registers across the ranks. Threads split the groups. A and B are float32 or
+// bfloat16 (--lora-dtype: half the bytes a memory-bound decode step reads for them), widened to
+// float32 as they load; x, y and every sum stay float32.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -23,9 +25,16 @@ namespace {
 // Tokens of one slot run together, up to this many: each A and B vector loaded serves them all.
 constexpr int kGroup = 4;
 
+// A weight element -> float: float32 as is, bfloat16 (raw bits) widened.
+inline Vec load_w(const float* p) { return load(p); }
+inline Vec load_w(const uint16_t* p) { return load_bf16(p); }
+inline float to_float(float w) { return w; }
+inline float to_float(uint16_t w) { return bf16_to_float(w); }
+
+template <class W>
 struct Layer {
-  const float* a;
-  std::vector<const float*> b;
+  const W* a;
+  std::vector<const W*> b;
   std::vector<int64_t> out, offset;
   int64_t in, slots, rank;
 };
@@ -39,19 +48,20 @@ struct Group {
 };
 
 // h[j * rank + r] = A[r] . x_j for the group's tokens j (A: rank rows of length n).
-void shrink(const float* a, int64_t rank, int64_t n, const Group& g, float* h) {
+template <class W>
+void shrink(const W* a, int64_t rank, int64_t n, const Group& g, float* h) {
   for (int64_t r = 0; r < rank; ++r) {
-    const float* ar = a + r * n;
+    const W* ar = a + r * n;
     Vec acc[kGroup];
     for (int j = 0; j < g.count; ++j) acc[j] = zero();
     int64_t k = 0;
     for (; k + kWidth <= n; k += kWidth) {
-      const Vec av = load(ar + k);
+      const Vec av = load_w(ar + k);
       for (int j = 0; j < g.count; ++j) acc[j] = fmadd(av, load(g.x[j] + k), acc[j]);
     }
     for (int j = 0; j < g.count; ++j) {
       float sum = reduce_add(acc[j]);
-      for (int64_t t = k; t < n; ++t) sum += ar[t] * g.x[j][t];
+      for (int64_t t = k; t < n; ++t) sum += to_float(ar[t]) * g.x[j][t];
       h[j * rank + r] = sum;
     }
   }
@@ -59,13 +69,14 @@ void shrink(const float* a, int64_t rank, int64_t n, const Group& g, float* h) {
 
 // y_j[offset : offset + n] += sum_r h[j * rank + r] * B[r] for the group's tokens j (B: [rank, n]);
 // each y vector is loaded and stored once.
-void expand(const float* b, int64_t rank, int64_t n, int64_t offset, const Group& g, const float* h) {
+template <class W>
+void expand(const W* b, int64_t rank, int64_t n, int64_t offset, const Group& g, const float* h) {
   int64_t k = 0;
   for (; k + kWidth <= n; k += kWidth) {
     Vec acc[kGroup];
     for (int j = 0; j < g.count; ++j) acc[j] = load(g.y[j] + offset + k);
     for (int64_t r = 0; r < rank; ++r) {
-      const Vec bv = load(b + r * n + k);
+      const Vec bv = load_w(b + r * n + k);
       for (int j = 0; j < g.count; ++j) acc[j] = fmadd(broadcast(h[j * rank + r]), bv, acc[j]);
     }
     for (int j = 0; j < g.count; ++j) store(g.y[j] + offset + k, acc[j]);
@@ -73,7 +84,7 @@ void expand(const float* b, int64_t rank, int64_t n, int64_t offset, const Group
   for (; k < n; ++k) {
     for (int j = 0; j < g.count; ++j) {
       float sum = 0.0f;
-      for (int64_t r = 0; r < rank; ++r) sum += h[j * rank + r] * b[r * n + k];
+      for (int64_t r = 0; r < rank; ++r) sum += h[j * rank + r] * to_float(b[r * n + k]);
       g.y[j][offset + k] += sum;
     }
   }
@@ -88,13 +99,14 @@ int64_t used_rank(const float* h, int64_t rank, int count) {
   return used;
 }
 
-void group_delta(const Layer& l, const Group& g, float* h) {
+template <class W>
+void group_delta(const Layer<W>& l, const Group& g, float* h) {
   for (size_t i = 0; i < l.b.size(); ++i) {
     shrink(l.a + ((static_cast<int64_t>(i) * l.slots + g.slot) * l.rank) * l.in, l.rank, l.in, g, h);
     const int64_t used = used_rank(h, l.rank, g.count);
     if (used == 0) continue;
     // h keeps its row stride (l.rank); expand reads only the first `used` ranks of each row.
-    const float* b = l.b[i] + g.slot * l.rank * l.out[i];
+    const W* b = l.b[i] + g.slot * l.rank * l.out[i];
     if (used == l.rank) {
       expand(b, l.rank, l.out[i], l.offset[i], g, h);
     } else {
@@ -126,37 +138,55 @@ std::vector<Group> make_groups(const int64_t* slots, int64_t tokens, int64_t max
   return groups;
 }
 
-}  // namespace
-
-// y: [T, O] fp32 (rows contiguous, updated in place); x: [T, I]; a: [n * S * R, I]; b: n tensors
-// [S * R, O_i] with sum O_i = O; token_slots: [T] int64, -1 for the base model.
-void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::TensorList b,
-               const at::Tensor& token_slots, int64_t max_loras, int64_t max_rank) {
-  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat && a.scalar_type() == at::kFloat,
-              "lora_add_: float32 only");
-  TORCH_CHECK(x.is_contiguous() && a.is_contiguous() && y.stride(1) == 1, "lora_add_: contiguous rows");
-  TORCH_CHECK(token_slots.scalar_type() == at::kLong && token_slots.is_contiguous(), "lora_add_: int64 slots");
-  const int64_t tokens = x.size(0);
-  TORCH_CHECK(token_slots.numel() == tokens && y.size(0) == tokens, "lora_add_: one slot per token");
-  Layer l{a.data_ptr<float>(), {}, {}, {}, x.size(1), max_loras, max_rank};
+// The layer's A and B pointers and sizes, checked against y and the slots.
+template <class W>
+Layer<W> make_layer(const at::Tensor& y, const at::Tensor& x, const at::Tensor& a, at::TensorList b,
+                    int64_t max_loras, int64_t max_rank) {
+  Layer<W> l{static_cast<const W*>(a.data_ptr()), {}, {}, {}, x.size(1), max_loras, max_rank};
   int64_t offset = 0;
   for (const auto& bi : b) {
-    TORCH_CHECK(bi.is_contiguous() && bi.scalar_type() == at::kFloat, "lora_add_: B contiguous float32");
-    l.b.push_back(bi.data_ptr<float>());
+    TORCH_CHECK(bi.is_contiguous() && bi.scalar_type() == a.scalar_type(), "lora_add_: B contiguous, A's dtype");
+    l.b.push_back(static_cast<const W*>(bi.data_ptr()));
     l.out.push_back(bi.size(1));
     l.offset.push_back(offset);
     offset += bi.size(1);
   }
   TORCH_CHECK(offset == y.size(1) && a.size(0) == static_cast<int64_t>(b.size()) * max_loras * max_rank,
               "lora_add_: shapes do not match");
-  const int64_t* slots = token_slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] < max_loras, "lora_add_: slot out of range");
-  const std::vector<Group> groups =
-      make_groups(slots, tokens, max_loras, x.data_ptr<float>(), l.in, y.data_ptr<float>(), y.stride(0));
+  return l;
+}
+
+template <class W>
+void run_groups(const Layer<W>& l, const std::vector<Group>& groups, int64_t max_rank) {
   at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t g0, int64_t g1) {
     std::vector<float> h(kGroup * max_rank);
     for (int64_t g = g0; g < g1; ++g) group_delta(l, groups[g], h.data());
   });
+}
+
+}  // namespace
+
+// y: [T, O] fp32 (rows contiguous, updated in place); x: [T, I] fp32; a: [n * S * R, I] and b: n
+// tensors [S * R, O_i] with sum O_i = O, both float32 or both bfloat16; token_slots: [T] int64,
+// -1 for the base model.
+void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::TensorList b,
+               const at::Tensor& token_slots, int64_t max_loras, int64_t max_rank) {
+  TORCH_CHECK(y.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat, "lora_add_: float32 activations");
+  const bool bf16 = a.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || a.scalar_type() == at::kFloat, "lora_add_: A and B float32 or bfloat16");
+  TORCH_CHECK(x.is_contiguous() && a.is_contiguous() && y.stride(1) == 1, "lora_add_: contiguous rows");
+  TORCH_CHECK(token_slots.scalar_type() == at::kLong && token_slots.is_contiguous(), "lora_add_: int64 slots");
+  const int64_t tokens = x.size(0);
+  TORCH_CHECK(token_slots.numel() == tokens && y.size(0) == tokens, "lora_add_: one slot per token");
+  const int64_t* slots = token_slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] < max_loras, "lora_add_: slot out of range");
+  const std::vector<Group> groups =
+      make_groups(slots, tokens, max_loras, x.data_ptr<float>(), x.size(1), y.data_ptr<float>(), y.stride(0));
+  if (bf16) {
+    run_groups(make_layer<uint16_t>(y, x, a, b, max_loras, max_rank), groups, max_rank);
+  } else {
+    run_groups(make_layer<float>(y, x, a, b, max_loras, max_rank), groups, max_rank);
+  }
 }
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {

@@ -53,6 +53,11 @@ inline Vec ldexp(Vec a, Vec n) { return {_mm512_scalef_ps(a.v, n.v)}; }
 inline Vec load_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
+// kWidth bfloat16 values (raw bits) -> floats (exact: bf16 is float32's upper half).
+inline Vec load_bf16(const uint16_t* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+}
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_AVX2)
@@ -88,6 +93,10 @@ inline Vec ldexp(Vec a, Vec n) {
 inline Vec load_i8(const int8_t* p) {
   return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
 }
+inline Vec load_bf16(const uint16_t* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+}
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_NEON)
@@ -118,6 +127,7 @@ inline Vec load_i8(const int8_t* p) {
   const int16x8_t w16 = vmovl_s8(vreinterpret_s8_s32(vdup_n_s32(bits)));
   return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w16)))};
 }
+inline Vec load_bf16(const uint16_t* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #else
@@ -147,8 +157,22 @@ inline Vec ldexp(Vec a, Vec n) {
   return a;
 }
 inline Vec load_i8(const int8_t* p) { return {F4{float(p[0]), float(p[1]), float(p[2]), float(p[3])}}; }
+inline Vec load_bf16(const uint16_t* p) {
+  uint32_t bits[4] = {uint32_t(p[0]) << 16, uint32_t(p[1]) << 16, uint32_t(p[2]) << 16, uint32_t(p[3]) << 16};
+  Vec a;
+  std::memcpy(&a.v, bits, sizeof(F4));
+  return a;
+}
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif
+
+// One bfloat16 (raw bits) -> float, for scalar tails.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
 
 // e^x: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-7 Taylor polynomial (truncation
 // below 1e-8 relative), then scaled by 2^n. std::exp does not vectorise without -ffast-math.

@@ -42,7 +42,8 @@ def make_step(token_slots: torch.Tensor, max_loras: int, max_rank: int, dtype: t
 class LoRASlots:
     """The adapters' A and B of one linear layer (plain tensors: not parameters, not in the
     model's state dict). ``output_sizes``: the fused projections' output sizes, in shard order.
-    ``kernel``: a ``lora_add_`` (``manager.delta_kernel``: C++ on CPU float32, Triton on CUDA), else None."""
+    ``kernel``: a ``lora_add_`` (``manager.delta_kernel``: C++ on CPU for float32 activations with
+    float32 or bfloat16 slots, Triton on CUDA), else None. ``dtype``: the slots' (``--lora-dtype``)."""
 
     def __init__(
         self,
@@ -84,8 +85,12 @@ class LoRASlots:
             self.kernel(y2, x2, self.a, self.b, step.token_slots, self.max_loras, self.max_rank)
             return y
         width = self.max_loras * self.max_rank
-        shrunk = torch.mm(x2, self.a.t())
+        shrunk = torch.mm(x2.to(self.a.dtype), self.a.t())
         shrunk.view(shrunk.shape[0], len(self.b), width).mul_(step.mask.unsqueeze(1))
         for i, b in enumerate(self.b):
-            y2[:, self.offsets[i] : self.offsets[i + 1]].addmm_(shrunk[:, i * width : (i + 1) * width], b)
+            out, h = y2[:, self.offsets[i] : self.offsets[i + 1]], shrunk[:, i * width : (i + 1) * width]
+            if b.dtype == out.dtype:
+                out.addmm_(h, b)
+            else:  # --lora-dtype other than the model's
+                out.add_(torch.mm(h, b).to(out.dtype))
         return y

@@ -37,14 +37,15 @@ def attach_lora_slots(
     model: nn.Module, config: LoRAConfig, dtype: torch.dtype, device: torch.device
 ) -> dict[tuple[int, str], LoRASlots]:
     """Give every decoder layer's qkv, o, gate_up and down linear its slots (``layer.lora``)."""
-    kernel = delta_kernel(device, dtype)
+    lora_dtype = slot_dtype(config, dtype)
+    kernel = delta_kernel(device, dtype, lora_dtype)
     slots = {}
     for name, module in model.named_modules():
         match = _WRAPPED.search(name)
         if match is None or not isinstance(module, LinearBase):
             continue
         module.lora = LoRASlots(
-            module.input_size, module.output_sizes, config.max_loras, config.max_lora_rank, dtype, device, kernel
+            module.input_size, module.output_sizes, config.max_loras, config.max_lora_rank, lora_dtype, device, kernel
         )
         slots[(int(match.group(1)), match.group(2))] = module.lora
     if not slots:
@@ -52,13 +53,20 @@ def attach_lora_slots(
     return slots
 
 
-def delta_kernel(device: torch.device, dtype: torch.dtype) -> Callable[..., Any] | None:
-    """The LoRA delta kernel for the device: the C++ op on CPU float32, Triton on CUDA; None: the
-    torch path (``LoRASlots.add_delta``)."""
+def slot_dtype(config: LoRAConfig, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the slots keep A and B in (``--lora-dtype``; auto: the model's)."""
+    return model_dtype if config.lora_dtype == "auto" else getattr(torch, config.lora_dtype)
+
+
+def delta_kernel(device: torch.device, dtype: torch.dtype, lora_dtype: torch.dtype) -> Callable[..., Any] | None:
+    """The LoRA delta kernel for the device: the C++ op on CPU for a float32 model with float32
+    or bfloat16 slots, Triton on CUDA (slots in the model's dtype); None: the torch path
+    (``LoRASlots.add_delta``)."""
     if device.type == "cpu":
-        ops = cpu_ops() if dtype == torch.float32 else None
+        fits = dtype == torch.float32 and lora_dtype in (torch.float32, torch.bfloat16)
+        ops = cpu_ops() if fits else None
         return None if ops is None else ops.lora_add_
-    if device.type == "cuda":
+    if device.type == "cuda" and lora_dtype == dtype:
         try:
             from pagedllm.lora.triton_lora import lora_add_
         except ImportError:
@@ -73,7 +81,8 @@ class LoRAModelManager:
     def __init__(
         self, model: nn.Module, config: LoRAConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device
     ) -> None:
-        self.config, self.arch, self.dtype, self.device = config, arch, dtype, device
+        self.config, self.arch, self.device = config, arch, device
+        self.dtype = slot_dtype(config, dtype)
         self.layers = attach_lora_slots(model, config, dtype, device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # lora_int_id -> slot, least recent first
         self.host: OrderedDict[int, AdapterWeights] = OrderedDict()  # host copies, least recent first
@@ -141,11 +150,15 @@ class LoRAModelManager:
         weights: AdapterWeights = {}
         pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for key, (layer, proj, kind) in spec.tensors.items():
-            pairs.setdefault((layer, proj), {})[kind] = tensors[key].to(self.dtype)
+            pairs.setdefault((layer, proj), {})[kind] = tensors[key].float()
         for (layer, proj), pair in pairs.items():
             if set(pair) != {"A", "B"}:
                 raise ValueError(f"LoRA adapter {request.lora_name!r}: layer {layer} {proj} lacks lora_A or lora_B")
             fused, index = TARGET_MODULES[proj]
-            weights.setdefault((layer, fused), {})[index] = (pair["A"], pair["B"] * spec.scale)
+            # The scale folds into B before the cast to the slots' dtype (one rounding).
+            weights.setdefault((layer, fused), {})[index] = (
+                pair["A"].to(self.dtype),
+                (pair["B"] * spec.scale).to(self.dtype),
+            )
         self.num_loads += 1
         return weights

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagedllm import LLM, LoRARequest, SamplingParams
 from tests.engine_checks import assert_idle_and_intact
@@ -146,3 +147,36 @@ def test_adapters_under_speculative_decoding(llama_model_dir, make_adapter):
     got = _tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=[loras[0], None, loras[1]]))
     assert got == [hf_greedy(llama_model_dir, p, PROMPTS[3], NEW_TOKENS) for p in (paths[0], None, paths[1])]
     assert_idle_and_intact(llm)
+
+
+def test_bfloat16_slots_match_peft_on_bfloat16_representable_adapters(llama_model_dir, make_adapter, tmp_path):
+    """--lora-dtype bfloat16 on a float32 model: the slots hold bfloat16 and the kernels widen them,
+    so adapters whose weights bfloat16 represents exactly (and a power-of-two scale) give PEFT's
+    float32 tokens, in a mixed batch with base rows."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    paths = []
+    for seed in (1, 2):
+        rounded = tmp_path / f"bf16-{seed}"
+        shutil.copytree(make_adapter(llama_model_dir, seed=seed), rounded)
+        weights = rounded / "adapter_model.safetensors"
+        tensors = {k: v.to(torch.bfloat16).float() for k, v in load_file(weights).items()}
+        save_file(tensors, weights)
+        paths.append(rounded)
+    loras = [LoRARequest(f"b{i}", i + 1, str(p)) for i, p in enumerate(paths)]
+    llm = _llm(llama_model_dir, lora_dtype="bfloat16")
+    manager = _manager(llm)
+    assert manager.dtype == torch.bfloat16
+    assert all(s.a.dtype == torch.bfloat16 and s.kernel is not None for s in manager.layers.values())
+    cases = [(p, lora) for p in PROMPTS[:3] for lora in [None, *loras]]
+    got = _tokens(llm.generate([p for p, _ in cases], GREEDY, use_tqdm=False, lora_request=[c[1] for c in cases]))
+    by_lora = {None: None, loras[0]: paths[0], loras[1]: paths[1]}
+    assert got == [hf_greedy(llama_model_dir, by_lora[lora], p, NEW_TOKENS) for p, lora in cases]
+    assert_idle_and_intact(llm)
+
+
+def test_unknown_lora_dtype_is_refused(llama_model_dir):
+    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, bfloat16, float16"):
+        _llm(llama_model_dir, lora_dtype="int8")
