@@ -140,3 +140,24 @@ def test_authorization_reaches_the_server(proxy):
     models = httpx.get(f"{proxy}/v1/models", headers=AUTH, timeout=10)
     assert models.status_code == 200 and models.json()["data"][0]["id"] == "tiny"
     assert httpx.get(f"{proxy}/metrics", timeout=10).status_code == 404  # scraped per replica, not here
+
+
+def established_peers(port: int) -> set[int]:
+    """The remote ports of the open (ESTABLISHED) TCP connections to local ``port`` (IPv4, /proc)."""
+    peers = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        local, remote, state = line.split()[1:4]
+        if state == "01" and int(local.split(":")[1], 16) == port:
+            peers.add(int(remote.split(":")[1], 16))
+    return peers
+
+
+def test_upstream_connections_are_kept_alive(live_server, proxy):
+    """HTTP/1.1 to the server with an empty Connection header and an upstream keepalive pool:
+    the connections to the server stay open after a request, and later requests open no new ones."""
+    seen = []
+    with httpx.Client(timeout=10, headers=AUTH) as client:
+        for _ in range(3):
+            assert client.get(f"{proxy}/v1/models").status_code == 200
+            seen.append(established_peers(live_server.server.port))
+    assert seen[0] and seen[0] == seen[1] == seen[2], seen  # without keepalive: none stay open
