@@ -15,6 +15,7 @@ from tests.entrypoints.openai.conftest import RemoteServer
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedllm.json"
 API_KEY = "deploy-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MAX_MODEL_LEN = 4096  # room for a request long enough that only an abort can end it early

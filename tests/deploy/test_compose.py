@@ -6,10 +6,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .conftest import DEPLOY, METRIC_NAME, REPO, load_yaml, metric_samples, serve_args, yaml_docs
+from .conftest import DASHBOARD, DEPLOY, METRIC_NAME, REPO, load_yaml, metric_samples, serve_args, yaml_docs
 
 COMPOSE = DEPLOY / "compose.yaml"
-DASHBOARD = DEPLOY / "grafana" / "dashboards" / "pagedllm.json"
 DATASOURCES = DEPLOY / "grafana" / "provisioning" / "datasources" / "prometheus.yml"
 PROVIDERS = DEPLOY / "grafana" / "provisioning" / "dashboards" / "pagedllm.yml"
 

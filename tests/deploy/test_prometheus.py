@@ -4,6 +4,7 @@ stores vllm: series and evaluates the recording rules over them."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import time
@@ -15,7 +16,7 @@ import yaml
 
 from tests.entrypoints.openai.conftest import free_port
 
-from .conftest import AUTH, DEPLOY, load_yaml, metric
+from .conftest import AUTH, DASHBOARD, DEPLOY, load_yaml, metric
 
 PROM_DIR = DEPLOY / "prometheus"
 needs_prometheus = pytest.mark.skipif(
@@ -101,3 +102,17 @@ def test_prometheus_scrapes_vllm_series(prometheus, live_server):
     [rate] = prometheus.wait_for("model_name:vllm_generation_tokens:rate1m")
     assert rate["metric"]["model_name"] == "tiny"
     live_server.assert_idle()
+
+
+@needs_prometheus
+def test_every_dashboard_query_runs_on_prometheus(prometheus, live_server):
+    """Each panel's PromQL, with Grafana's variables filled in as Grafana does ($model_name: All),
+    is a valid query; the gauges' panels show the live server's series."""
+    prometheus.wait_for('vllm:num_requests_running{job="pagedllm"}')
+    dash = json.loads(DASHBOARD.read_text())
+    for panel in dash["panels"]:
+        for target in panel["targets"]:
+            promql = target["expr"].replace("$model_name", ".*").replace("$__rate_interval", "1m")
+            result = prometheus.query(promql)  # raises on a 400: Prometheus rejected the query
+            if "rate(" not in promql and "histogram_quantile" not in promql:
+                assert result, f"{panel['title']}: {promql} has no data"
