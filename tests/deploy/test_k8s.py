@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import re
+from pathlib import Path
 
 import kubernetes_validate
 import pytest
@@ -25,6 +26,12 @@ def resources() -> dict[str, dict]:
 def container() -> dict:
     [main] = resources()["Deployment"]["spec"]["template"]["spec"]["containers"]
     return main
+
+
+def test_the_pinned_schemas_ship_with_the_package():
+    """Validation reads these files; nothing is fetched."""
+    schemas = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / f"v{K8S_VERSION}-local-strict"
+    assert (schemas / "horizontalpodautoscaler-autoscaling-v2.json").is_file()
 
 
 @pytest.mark.parametrize("path", MANIFESTS, ids=lambda p: p.name)
