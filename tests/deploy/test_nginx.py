@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.entrypoints.openai.conftest import free_port
+from tests.entrypoints.openai.conftest import _die_with_parent, free_port
 
 from .conftest import AUTH, DEPLOY, metric, nudge
 
@@ -49,7 +49,7 @@ def proxy(live_server, tmp_path_factory):
     conf.write_text(proxy_config(live_server.server.port, port, tmp))
     log = open(tmp / "nginx.log", "w")
     cmd = ["nginx", "-p", str(tmp), "-c", str(conf), "-e", "stderr", "-g", f"daemon off; pid {tmp / 'nginx.pid'};"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # gone with pytest
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_ready(proc, url, tmp / "nginx.log")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.entrypoints.openai.conftest import free_port
+from tests.entrypoints.openai.conftest import _die_with_parent, free_port
 
 from .conftest import AUTH, DASHBOARD, DEPLOY, load_yaml, metric
 
@@ -56,7 +56,7 @@ def prometheus(live_server, tmp_path_factory):
         f"--web.listen-address=127.0.0.1:{port}",
     ]
     log = open(tmp / "prometheus.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)  # gone with pytest
     try:
         yield _Prometheus(f"http://127.0.0.1:{port}", proc, tmp / "prometheus.log")
     finally:
