@@ -1,10 +1,12 @@
 """``pagedllm serve --data-parallel-size 2``: two engine cores behind one server give the same
-greedy tokens as one engine (float32), each core has its own metric series, and SIGKILL of
-one core takes the whole server down fast with nothing left behind. One server for the module
-(each engine process costs start-up time); the kill test runs last."""
+greedy tokens as one engine (float32), each core has its own metric series, SIGTERM drains and
+stops every core, and SIGKILL of one core takes the whole server down fast with nothing left
+behind. Two servers (each engine process costs start-up time): the module's, stopped by the
+SIGTERM test, and the kill test's own."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,7 +19,7 @@ import pytest
 from pagedllm import LLM, SamplingParams
 
 from .conftest import RemoteServer
-from .test_lifecycle import assert_all_gone, cmdline, descendants
+from .test_lifecycle import assert_all_gone, cmdline, data_events, descendants, first_event
 
 _PREFIX = "the quick brown fox jumps over the lazy dog "
 PROMPTS = [
@@ -36,11 +38,9 @@ FLAGS = ["--dtype", "float32", "--block-size", "8", "--max-model-len", "256", "-
 
 
 @pytest.fixture(scope="module")
-def dp_server(server_model_dir, tmp_path_factory):
-    ipc_tmp = tmp_path_factory.mktemp("dp-tmp")  # the engines' ipc directories go here
+def dp_server(server_model_dir):
     args = ["--served-model-name", "tiny", "--data-parallel-size", "2", *FLAGS]
-    with RemoteServer(server_model_dir, args, env={"TMPDIR": str(ipc_tmp)}) as srv:
-        srv.ipc_tmp = ipc_tmp
+    with RemoteServer(server_model_dir, args) as srv:
         yield srv
 
 
@@ -114,8 +114,29 @@ def test_each_core_has_its_own_labelled_series(dp_server):
     assert httpx.get(dp_server.url_for("health"), timeout=10).status_code == 200
 
 
-def test_sigkill_of_one_core_stops_the_server_within_5_s(dp_server):
-    """Runs last: it takes the module's server down."""
+def test_sigterm_drains_and_stops_every_core(dp_server):
+    """Runs after the others: it stops the module's server."""
+    children = descendants(dp_server.proc.pid)
+    assert len(_engine_pids(dp_server.proc.pid)) == 2
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", dp_server.url_for("v1", "completions"), json=body, timeout=120) as resp:
+        lines = resp.iter_lines()
+        assert '"text"' in first_event(lines)
+        dp_server.proc.send_signal(signal.SIGTERM)
+        events = data_events(lines)
+    assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+    assert dp_server.proc.wait(60) == 0
+    assert_all_gone(children)
+
+
+def test_sigkill_of_one_core_stops_the_server_within_5_s(server_model_dir, tmp_path):
+    args = ["--served-model-name", "tiny", "--data-parallel-size", "2", *FLAGS]
+    with RemoteServer(server_model_dir, args, env={"TMPDIR": str(tmp_path)}) as srv:
+        _kill_one_core(srv)
+        assert not list(tmp_path.glob("pagedllm-*"))  # no socket directories left
+
+
+def _kill_one_core(dp_server: RemoteServer) -> None:
     children = descendants(dp_server.proc.pid)
     victim = _engine_pids(dp_server.proc.pid)[1]
     os.kill(victim, signal.SIGKILL)
@@ -136,4 +157,3 @@ def test_sigkill_of_one_core_stops_the_server_within_5_s(dp_server):
     assert set(failing) <= {503, "down"}, health  # once failing, /health never recovered
     assert "engine core 1 of 2 died (exit code -9)" in dp_server.log()
     assert_all_gone(children, timeout=1.0)
-    assert not list(dp_server.ipc_tmp.glob("pagedllm-*"))  # no socket directories left
