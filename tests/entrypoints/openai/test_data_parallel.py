@@ -97,11 +97,32 @@ def test_two_engine_cores_match_one_token_for_token(dp_server, server_model_dir)
     generated = _series(dp_server, "vllm:generation_tokens_total")
     assert set(generated) == {"0", "1"} and all(v > 0 for v in generated.values()), generated
     assert sum(generated.values()) == len(PROMPTS) * MAX_TOKENS
+    for prompt in PROMPTS[:3]:  # the shared-prefix prompts went to one core, and come back to it
+        assert _cached_tokens(dp_server, prompt) >= 8, prompt
     # Every request's KV blocks went back to its core's pool (the server-side integrity view).
     deadline = time.monotonic() + 10
     while any(_series(dp_server, "vllm:kv_cache_usage_perc").values()) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _series(dp_server, "vllm:kv_cache_usage_perc") == {"0": 0.0, "1": 0.0}
+
+
+def _cached_tokens(srv: RemoteServer, prompt: str) -> int:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1}
+    resp = httpx.post(srv.url_for("v1", "completions"), json=body, timeout=60)
+    return resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_a_prefix_returns_to_its_core_though_another_is_as_idle(dp_server):
+    """Core 0 busy: the prompt goes to core 1. Both idle: load alone would pick core 0 (ties go
+    to the lowest index); affinity sends the next prompt with that first block to core 1."""
+    busy = {"model": "tiny", "prompt": "x", "max_tokens": 150, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", dp_server.url_for("v1", "completions"), json=busy, timeout=120) as resp:
+        lines = resp.iter_lines()
+        assert '"text"' in first_event(lines)
+        assert _series(dp_server, "vllm:num_requests_running") == {"0": 1.0, "1": 0.0}
+        assert _cached_tokens(dp_server, "zulu yankee xray whiskey one") == 0  # to core 1
+        assert data_events(lines)[-1] == "[DONE]"
+    assert _cached_tokens(dp_server, "zulu yankee xray whiskey two") >= 8
 
 
 def test_each_core_has_its_own_labelled_series(dp_server):
