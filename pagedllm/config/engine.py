@@ -16,7 +16,13 @@ from pagedllm.config.device import DeviceArgs
 from pagedllm.config.lora import LoRAArgs, LoRAConfig
 from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
 from pagedllm.config.options import GiB
-from pagedllm.config.parallel import ParallelArgs, ParallelConfig, check_tensor_parallel, kv_heads_per_rank
+from pagedllm.config.parallel import (
+    ParallelArgs,
+    ParallelConfig,
+    check_data_parallel,
+    check_tensor_parallel,
+    kv_heads_per_rank,
+)
 from pagedllm.config.pooler import PoolerArgs
 from pagedllm.config.scheduler import SchedulerArgs, SchedulerConfig
 from pagedllm.config.speculative import SpeculativeArgs, SpeculativeConfig
@@ -144,6 +150,7 @@ class EngineArgs(
                 check_tensor_parallel(
                     config.parallel_config.tensor_parallel_size, a.num_attention_heads, a.num_key_value_heads, device
                 )
+        check_data_parallel(config.parallel_config.data_parallel_size, device)
         check_kv_budget(config)
         return config
 

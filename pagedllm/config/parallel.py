@@ -1,4 +1,5 @@
-"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor parallel on CPU; no pipeline parallel yet)."""
+"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor parallel on CPU; data parallel
+engine cores behind one server; no pipeline parallel yet)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pagedllm.config.options import check_positive, option
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
 
 
 @dataclass
@@ -25,13 +27,36 @@ class ParallelArgs:
     pipeline_parallel_size: int = option(
         1, "pipeline-parallel stages; accepted and validated, only 1 is supported for now", aliases=("-pp",)
     )
+    data_parallel_size: int = option(
+        1,
+        "data-parallel engine cores behind one API server (`serve` only): each a full engine with its own "
+        "scheduler, KV cache (kv_cache_memory each) and 1/N of the cores; requests go to the least-loaded one, "
+        "or to the one that recently served the prompt's first block",
+        aliases=("-dp",),
+    )
 
     def create_parallel_config(self) -> ParallelConfig:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
+        check_positive("data_parallel_size", self.data_parallel_size)
         if self.pipeline_parallel_size != 1:
             raise ValueError("pipeline parallelism is not available yet: use pipeline_parallel_size=1")
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+            raise ValueError(
+                f"data_parallel_size={self.data_parallel_size} with tensor_parallel_size="
+                f"{self.tensor_parallel_size} is not supported: use data parallelism (data_parallel_size > 1, "
+                "tensor_parallel_size=1) or tensor parallelism (data_parallel_size=1), not both"
+            )
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
+
+
+def check_data_parallel(dp: int, device: str) -> None:
+    """Start-up check: data-parallel engine cores each size their own KV pool, which on CUDA is a
+    fraction of the one device's free memory, so several would overcommit it."""
+    if dp > 1 and device != "cpu":
+        raise ValueError(
+            f"data_parallel_size={dp} runs on CPU only for now (device={device!r}): use data_parallel_size=1"
+        )
 
 
 def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, device: str) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from pagedllm.config import EngineArgs, EngineConfig
 from pagedllm.engine.core_client import AsyncMPClient, EngineDeadError
+from pagedllm.engine.dp_client import DPAsyncMPClient
 from pagedllm.engine.input_processor import InputProcessor, PromptType
 from pagedllm.engine.output_processor import OutputProcessor
 from pagedllm.engine.protocol import SchedulerStats
@@ -48,8 +49,8 @@ class AsyncLLM:
         self._queues: dict[str, asyncio.Queue] = {}
         self._output_task: asyncio.Task | None = None
 
-    def _start(self, config: EngineConfig) -> tuple[AsyncMPClient, Any]:
-        """Start the engine process and load the tokenizer meanwhile (on a thread: the engine's
+    def _start(self, config: EngineConfig) -> tuple[AsyncMPClient | DPAsyncMPClient, Any]:
+        """Start the engine process(es) and load the tokenizer meanwhile (on a thread: the engine's
         start-up is spent in its own process, this one only waits for it)."""
         mc = config.model_config
         with ThreadPoolExecutor(1, thread_name_prefix="pagedllm-tokenizer") as pool:
@@ -57,7 +58,7 @@ class AsyncLLM:
             tokenizer = pool.submit(load_tokenizer, mc.tokenizer, mc.trust_remote_code)
             tokenizer.add_done_callback(lambda _: self.startup.add("tokenizer", time.perf_counter() - start))
             with self.startup.phase("engine process"):
-                client = AsyncMPClient(config)
+                client = make_core_client(config)
             try:
                 return client, tokenizer.result()
             except BaseException:
@@ -191,10 +192,12 @@ class AsyncLLM:
         """Abort a request (and its children): its KV blocks return to the pool at once."""
         core_ids = self.output_processor.abort_requests([request_id])
         now = time.monotonic()
-        iteration = IterationStats()
+        by_engine: dict[int, IterationStats] = {}
         for core_id in core_ids:
+            iteration = by_engine.setdefault(self.client.engine_of(core_id), IterationStats())
             self.stats_tracker.finish(core_id, "abort", now, iteration)
-        self._record(None, iteration)
+        for engine, iteration in by_engine.items():
+            self._record(None, iteration, engine)
         if self.is_running:
             await self.client.abort_requests(core_ids)
 
@@ -235,19 +238,16 @@ class AsyncLLM:
             for req_id in processed.reqs_to_abort:
                 self.stats_tracker.finish(req_id, "stop", now, iteration)
             await self.client.abort_requests(processed.reqs_to_abort)
-        self._record(outputs.scheduler_stats, iteration)
+        self._record(outputs.scheduler_stats, iteration, outputs.engine_index)
 
-    def _record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+    def _record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats, engine: int = 0) -> None:
         for stat_logger in self.stat_loggers:
-            stat_logger.record(scheduler_stats, iteration)
+            stat_logger.record(scheduler_stats, iteration, engine)
 
     def _mark_dead(self, cause: Exception | None = None) -> None:
         """The engine is gone: every waiting client gets an error now, not a hang."""
         if self.dead_error is None:
-            code = self.client.proc.exitcode
-            self.dead_error = EngineDeadError(
-                f"the engine core process died (exit code {code})" + (f": {cause}" if cause else "")
-            )
+            self.dead_error = EngineDeadError(self.client.death_summary() + (f": {cause}" if cause else ""))
             logger.error("%s", self.dead_error)
         for queue in self._queues.values():
             queue.put_nowait(self.dead_error)
@@ -277,6 +277,13 @@ class AsyncLLM:
         if self._output_task is not None:
             self._output_task.cancel()
         self.client.shutdown()
+
+
+def make_core_client(config: EngineConfig) -> AsyncMPClient | DPAsyncMPClient:
+    """One engine-core process, or ``data_parallel_size`` of them behind one routing client."""
+    if config.parallel_config.data_parallel_size > 1:
+        return DPAsyncMPClient(config)
+    return AsyncMPClient(config)
 
 
 def _raise_engine_error(output: RequestOutput) -> None:

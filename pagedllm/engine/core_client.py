@@ -50,7 +50,11 @@ class EngineDeadError(RuntimeError):
 class AsyncMPClient:
     """Runs ``EngineCoreProc`` in a child process and exchanges msgspec messages with it."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, engine_index: int = 0, wait: bool = True) -> None:
+        """Start the engine process. ``wait=False`` returns once it is spawned: the caller then
+        calls ``wait_ready()`` (data parallelism spawns every engine core first, from this
+        thread, since PR_SET_PDEATHSIG follows the spawning thread, then waits for them all)."""
+        self.engine_index = engine_index
         # A private directory (mode 0700: no other user can connect), emptied and removed as soon
         # as the engine has connected (``_remove_ipc_dir``): a SIGKILLed server leaves no socket files.
         self.ipc_dir = tempfile.mkdtemp(prefix="pagedllm-ipc-")
@@ -60,7 +64,7 @@ class AsyncMPClient:
         self.input.bind(self.input_addr)
         self.output = self.ctx.socket(zmq.PULL)
         self.output.bind(self.output_addr)
-        watchers = [_AcceptWatcher(self.ctx, sock) for sock in (self.input, self.output)]
+        self._watchers = [_AcceptWatcher(self.ctx, sock) for sock in (self.input, self.output)]
         self.encoder = msgspec.msgpack.Encoder()
         self.decoders: dict[EngineCoreOutputType, msgspec.msgpack.Decoder[Any]] = {
             EngineCoreOutputType.OUTPUTS: msgspec.msgpack.Decoder(EngineCoreOutputs),
@@ -71,34 +75,53 @@ class AsyncMPClient:
         # second check of the same request (the handler's, then add_request's), costs no round trip.
         self._accepted_grammars: OrderedDict[tuple[str, str], None] = OrderedDict()
         self.capacity: dict = {}
+        self._call_ids = itertools.count()
+        self._pending_calls: dict[int, asyncio.Future] = {}
         try:
-            self.proc = self._start_process(config)
-            if all(w.wait_accepted(time.monotonic() + _CONNECT_TIMEOUT_S) for w in watchers):
+            self.proc, self._ready_reader = self._spawn(config)
+        except BaseException:
+            self._stop_watching()
+            raise
+        if wait:
+            self.wait_ready()
+
+    def _spawn(self, config: EngineConfig) -> tuple[multiprocessing.context.SpawnProcess, Any]:
+        ctx = multiprocessing.get_context("spawn")  # fork after torch threads start is unsafe
+        reader, writer = ctx.Pipe(duplex=False)
+        proc = ctx.Process(
+            target=run_engine_core,
+            name=f"pagedllm-engine-core-{self.engine_index}",
+            daemon=True,
+            args=(config, self.input_addr, self.output_addr, writer, os.getpid(), self.engine_index),
+        )
+        proc.start()
+        writer.close()
+        return proc, reader
+
+    def wait_ready(self) -> None:
+        """Wait until the engine reported ready and connected its sockets (then the socket files
+        go); raises if it failed to start."""
+        try:
+            self.capacity = self._await_ready()
+            if all(w.wait_accepted(time.monotonic() + _CONNECT_TIMEOUT_S) for w in self._watchers):
                 self._remove_ipc_dir()  # connected: the paths are needed no more
             else:
                 logger.warning(
                     "the engine did not connect within %g s; its sockets stay in %s", _CONNECT_TIMEOUT_S, self.ipc_dir
                 )
-        except BaseException:
-            self._remove_ipc_dir()
-            raise
         finally:
-            for watcher in watchers:
-                watcher.close()
-        self._call_ids = itertools.count()
-        self._pending_calls: dict[int, asyncio.Future] = {}
+            self._stop_watching()
 
-    def _start_process(self, config: EngineConfig) -> multiprocessing.context.SpawnProcess:
-        ctx = multiprocessing.get_context("spawn")  # fork after torch threads start is unsafe
-        reader, writer = ctx.Pipe(duplex=False)
-        proc = ctx.Process(
-            target=run_engine_core,
-            name="pagedllm-engine-core",
-            daemon=True,
-            args=(config, self.input_addr, self.output_addr, writer, os.getpid()),
-        )
-        proc.start()
-        writer.close()
+    def _stop_watching(self) -> None:
+        """Start-up is over (or failed): close the connection watchers; a failed start leaves no files."""
+        for watcher in self._watchers:
+            watcher.close()
+        self._watchers = []
+        if not self.capacity:
+            self._remove_ipc_dir()
+
+    def _await_ready(self) -> dict:
+        proc, reader = self.proc, self._ready_reader
         if not reader.poll(_START_TIMEOUT_S):
             proc.kill()
             raise RuntimeError(f"the engine core did not start within {_START_TIMEOUT_S} s")
@@ -107,15 +130,23 @@ class AsyncMPClient:
         except EOFError:
             proc.join(5)
             raise RuntimeError(f"the engine core exited during start-up (exit code {proc.exitcode})") from None
+        finally:
+            reader.close()
         if "error" in ready:
             proc.join(5)
             raise ValueError(f"the engine failed to start: {ready['error']}")
-        self.capacity = ready
-        return proc
+        return ready
 
     @property
     def is_alive(self) -> bool:
         return self.proc.is_alive()
+
+    def death_summary(self) -> str:
+        return f"the engine core process died (exit code {self.proc.exitcode})"
+
+    def engine_of(self, request_id: str) -> int:
+        """The engine core that runs ``request_id``: this one."""
+        return self.engine_index
 
     async def _send(self, kind: EngineCoreRequestType, payload: Any) -> None:
         await self.input.send_multipart([kind.value, self.encoder.encode(payload)], copy=False)

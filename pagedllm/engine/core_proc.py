@@ -215,11 +215,23 @@ def _grammar_verdict(call_id: int, future: cf.Future) -> UtilityResult:
     return UtilityResult(call_id, error=f"{type(exc).__name__}: {exc}")
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, ready_conn: Any, parent_pid: int) -> None:
-    """Process entry point. Reports ready (or the start-up error) through ``ready_conn``."""
+def run_engine_core(
+    config: EngineConfig,
+    input_addr: str,
+    output_addr: str,
+    ready_conn: Any,
+    parent_pid: int,
+    engine_index: int = 0,
+) -> None:
+    """Process entry point. Reports ready (or the start-up error) through ``ready_conn``.
+    ``engine_index``: which of the ``data_parallel_size`` engine cores this is."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     die_with_parent(parent_pid)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s [engine] %(message)s")
+    num_engines = config.parallel_config.data_parallel_size
+    name = f"engine{engine_index}" if num_engines > 1 else "engine"
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
+    if num_engines > 1:
+        _share_cores(num_engines)
     try:
         from pagedllm.engine.core import EngineCore
 
@@ -236,3 +248,18 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, rea
     finally:
         proc.shutdown()
         core.shutdown()
+
+
+def _share_cores(num_engines: int) -> None:
+    """Data parallelism: each engine core gets ``usable cores // num_engines`` intra-op threads
+    (at least one), the tensor-parallel split, since more threads than cores in all is a 7-8x
+    slowdown. Set before the worker sizes its pool; a user's ``OMP_NUM_THREADS`` wins."""
+    from pagedllm import envs
+    from pagedllm.executor.multiproc import threads_per_rank
+
+    if envs.omp_num_threads():
+        return
+    envs.set_omp_num_threads(threads_per_rank(num_engines))
+    import torch
+
+    torch.set_num_threads(int(envs.omp_num_threads()))

@@ -20,6 +20,7 @@ class LLMEngine:
     """Runs the engine core in this process; ``step()`` returns finished and partial outputs."""
 
     def __init__(self, config: EngineConfig) -> None:
+        check_offline_parallelism(config)
         self.config = config
         self.tokenizer = load_tokenizer(config.model_config.tokenizer, config.model_config.trust_remote_code)
         self.input_processor = InputProcessor(config, self.tokenizer)
@@ -90,3 +91,16 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+
+def check_offline_parallelism(config: EngineConfig) -> None:
+    """Offline, one engine core runs in this process: data parallelism is the server's (vLLM too
+    runs offline data parallelism as separate processes), so say how to get it."""
+    dp = config.parallel_config.data_parallel_size
+    if dp > 1:
+        raise ValueError(
+            f"data_parallel_size={dp} is not supported by the offline LLM/LLMEngine (one engine core in this "
+            f"process): serve the model with `pagedllm serve MODEL --data-parallel-size {dp}` (one API server "
+            f"over {dp} engine cores), or run {dp} LLM instances in separate processes, each on its share of the "
+            "prompts, with data_parallel_size=1"
+        )

@@ -157,3 +157,4 @@ class EngineCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True):
     outputs: list[EngineCoreOutput] = []
     scheduler_stats: SchedulerStats | None = None
     timestamp: float = msgspec.field(default_factory=time.monotonic)
+    engine_index: int = 0  # which data-parallel engine core (the front end stamps it on receipt)

@@ -2,7 +2,8 @@
 
 The series are vLLM's V1 set, name for name, type for type, label for label and with vLLM's
 bucket edges; docs/metrics.md lists them and says which stay at zero here and why. Every series
-carries ``model_name`` and ``engine`` (always "0": one engine core per front end). Each logger
+carries ``model_name`` and ``engine``: the engine core's index, "0" unless data parallelism runs
+several (then each core's stats go to its own series, as vLLM's; a dashboard sums them). Each logger
 owns its own ``CollectorRegistry`` (never the process-global one), so several servers or tests
 can live in one process. prometheus_client appends ``_total`` to counter names itself:
 ``Counter("vllm:prompt_tokens")`` is exposed as ``vllm:prompt_tokens_total``.
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 
 METRIC_PREFIX = "vllm:"
 OWN_METRIC_PREFIX = "pagedllm:"  # series vLLM has no counterpart of
-ENGINE_INDEX = "0"
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 WAITING_REASONS = ("capacity", "deferred")
 PROMPT_TOKEN_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
@@ -49,13 +49,23 @@ class PrometheusStatLogger:
     """A ``StatLogger`` that keeps vLLM-named gauges, counters and histograms up to date.
 
     ``config`` sets the token-count buckets (up to max_model_len) and whether the speculative
-    decoding counters exist; without it they do, and the buckets go up to 10^6 tokens."""
+    decoding counters exist; without it they do, and the buckets go up to 10^6 tokens.
+    ``num_engines`` (data parallelism): one set of series per engine core, ``engine="0"`` ..
+    ``engine="N-1"``; this logger is engine 0's and hands the others' stats to siblings that
+    share its registry and metric families (``engines``)."""
 
     def __init__(
-        self, model_name: str, registry: CollectorRegistry | None = None, config: EngineConfig | None = None
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        config: EngineConfig | None = None,
+        num_engines: int = 1,
+        _engine: tuple[int, dict[str, Any]] = (0, {}),
     ) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.engine_label = str(_engine[0])
+        self._families = _engine[1] if _engine[0] else {}  # name -> family, shared by the siblings
         self._make_scheduler_gauges()
         self._make_cache_counters()
         self._make_token_counters()
@@ -72,19 +82,29 @@ class PrometheusStatLogger:
         self.lora_info: Any = None  # vllm:lora_requests_info, only with LoRA (as vLLM)
         if config is not None and config.lora_config is not None:
             self._make_lora_info(config.lora_config.max_loras)
+        self.engines: list[PrometheusStatLogger] = [self] + [
+            PrometheusStatLogger(model_name, self.registry, config, 1, (i, self._families))
+            for i in range(1, num_engines)
+        ]
 
     # ------------------------------------------------------------------ creation
+    def _shared(self, name: str, labels: list[str], make: Any) -> Any:
+        """The family ``name``: made (``make(name, labels)``) by the first engine's logger, reused by the rest."""
+        if name not in self._families:
+            self._families[name] = make(name, labels)
+        return self._families[name]
+
     def _family(self, cls: type, name: str, doc: str, extra_labels: tuple[str, ...] = (), **kw: Any) -> Any:
         labels = ["model_name", "engine", *extra_labels]
-        return cls(METRIC_PREFIX + name, doc, labels, registry=self.registry, **kw)
+        return self._shared(METRIC_PREFIX + name, labels, lambda n, ls: cls(n, doc, ls, registry=self.registry, **kw))
 
     def _one(self, cls: type, name: str, doc: str, **kw: Any) -> Any:
-        return self._family(cls, name, doc, **kw).labels(self.model_name, ENGINE_INDEX)
+        return self._family(cls, name, doc, **kw).labels(self.model_name, self.engine_label)
 
     def _per_label(self, cls: type, name: str, doc: str, label: str, values: tuple[str, ...]) -> dict[str, Any]:
         """One child per label value, all created now so each series shows (at 0) from the start."""
         family = self._family(cls, name, doc, (label,))
-        return {v: family.labels(self.model_name, ENGINE_INDEX, v) for v in values}
+        return {v: family.labels(self.model_name, self.engine_label, v) for v in values}
 
     def _make_scheduler_gauges(self) -> None:
         self.running = self._one(Gauge, "num_requests_running", "Requests in the model batch this step.")
@@ -181,7 +201,9 @@ class PrometheusStatLogger:
     def _make_swap_counters(self) -> None:
         labels = ["model_name", "engine"]
         self.swap_out, self.swap_in = (
-            Counter(OWN_METRIC_PREFIX + name, doc, labels, registry=self.registry).labels(self.model_name, ENGINE_INDEX)
+            self._shared(
+                OWN_METRIC_PREFIX + name, labels, lambda n, ls, doc=doc: Counter(n, doc, ls, registry=self.registry)
+            ).labels(self.model_name, self.engine_label)
             for name, doc in (
                 ("kv_swap_out_blocks", "Evicted prefix-cache blocks copied to the swap tier."),
                 ("kv_swap_in_blocks", "Prefix-cache blocks copied back from the swap tier (instead of recomputed)."),
@@ -206,18 +228,17 @@ class PrometheusStatLogger:
             ("position",),
         )
         for pos in range(num_positions):
-            self._spec_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos))
+            self._spec_per_pos.labels(self.model_name, self.engine_label, str(pos))
 
     # ------------------------------------------------------------------ StatLogger
     def _make_lora_info(self, max_loras: int) -> None:
         """vLLM's LoRA gauge: its labels carry the adapters (comma-separated names), its value
         the time of the last update; no model_name/engine labels, as in vLLM."""
         self.max_lora = str(max_loras)
-        self.lora_info = Gauge(
+        self.lora_info = self._shared(
             METRIC_PREFIX + "lora_requests_info",
-            "Running stats on lora requests.",
             ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
-            registry=self.registry,
+            lambda n, ls: Gauge(n, "Running stats on lora requests.", ls, registry=self.registry),
         )
 
     def _record_lora(self, s: SchedulerStats) -> None:
@@ -225,18 +246,25 @@ class PrometheusStatLogger:
         self.lora_info.labels(self.max_lora, waiting, running).set_to_current_time()
 
     def log_engine_initialized(self, config: EngineConfig, num_gpu_blocks: int) -> None:
-        """``vllm:cache_config_info``: a gauge at 1 whose labels are the cache config's fields."""
-        info = {name: str(value) for name, value in dataclasses.asdict(config.cache_config).items()}
-        info |= {"num_gpu_blocks": str(num_gpu_blocks), "engine": ENGINE_INDEX}
-        gauge = Gauge(
-            METRIC_PREFIX + "cache_config_info",
-            "The KV cache configuration, in the labels (always 1).",
-            list(info),
-            registry=self.registry,
-        )
-        gauge.labels(**info).set(1)
+        """``vllm:cache_config_info``: a gauge at 1 whose labels are the cache config's fields (one
+        per engine core: they all have the same pool)."""
+        for engine in self.engines:
+            info = {name: str(value) for name, value in dataclasses.asdict(config.cache_config).items()}
+            info |= {"num_gpu_blocks": str(num_gpu_blocks), "engine": engine.engine_label}
+            gauge = self._shared(
+                METRIC_PREFIX + "cache_config_info",
+                list(info),
+                lambda n, ls: Gauge(
+                    n, "The KV cache configuration, in the labels (always 1).", ls, registry=self.registry
+                ),
+            )
+            gauge.labels(**info).set(1)
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats, engine_idx: int = 0) -> None:
+        """Into engine core ``engine_idx``'s series."""
+        self.engines[engine_idx].record_own(scheduler_stats, iteration)
+
+    def record_own(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
         if scheduler_stats is not None:
             self._record_scheduler(scheduler_stats)
         self._record_tokens(iteration)
@@ -269,7 +297,7 @@ class PrometheusStatLogger:
         self.spec_draft_tokens.inc(spec.num_draft_tokens)
         self.spec_accepted_tokens.inc(spec.num_accepted_tokens)
         for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
-            self._spec_per_pos.labels(self.model_name, ENGINE_INDEX, str(pos)).inc(count)
+            self._spec_per_pos.labels(self.model_name, self.engine_label, str(pos)).inc(count)
 
     def _record_tokens(self, it: IterationStats) -> None:
         self.prompt_tokens.inc(it.num_prompt_tokens)

@@ -72,7 +72,9 @@ class StatLogger(Protocol):
         """The engine is up with ``num_gpu_blocks`` KV blocks; called once, before any ``record``."""
         ...
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None: ...
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats, engine_idx: int = 0) -> None:
+        """One step's stats of engine core ``engine_idx`` (data parallelism: 0 .. size - 1)."""
+        ...
 
 
 @dataclass
@@ -196,22 +198,24 @@ class IterationStatsTracker:
 
 
 class LoggingStatLogger:
-    """Logs throughput and cache usage every ``interval`` seconds while there is work."""
+    """Logs throughput and cache usage every ``interval`` seconds while there is work (with data
+    parallelism: summed over the engine cores, each core's latest snapshot)."""
 
     def __init__(self, interval: float = 5.0) -> None:
         self.interval = interval
         self._last = time.monotonic()
         self._prompt = self._gen = 0
-        self._latest: SchedulerStats | None = None
+        self._latest: dict[int, SchedulerStats] = {}
         self._drafts = SpecDecodingStats()  # accumulated between log lines
 
     def log_engine_initialized(self, config: EngineConfig, num_gpu_blocks: int) -> None:
         logger.debug("KV cache: %d blocks of %d tokens", num_gpu_blocks, config.cache_config.block_size)
 
-    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats) -> None:
+    def record(self, scheduler_stats: SchedulerStats | None, iteration: IterationStats, engine_idx: int = 0) -> None:
         self._prompt += iteration.num_prompt_tokens
         self._gen += iteration.num_generation_tokens
-        self._latest = scheduler_stats or self._latest
+        if scheduler_stats is not None:
+            self._latest[engine_idx] = scheduler_stats
         spec = scheduler_stats.spec_decoding if scheduler_stats is not None else None
         if spec is not None:
             self._drafts.num_drafts += spec.num_drafts
@@ -223,14 +227,14 @@ class LoggingStatLogger:
             self._last, self._prompt, self._gen = now, 0, 0
 
     def _log(self, elapsed: float) -> None:
-        s = self._latest or SchedulerStats()
+        latest = list(self._latest.values()) or [SchedulerStats()]
         logger.info(
             "prompt %.1f tok/s, generation %.1f tok/s, running %d, waiting %d, KV cache %.1f%%",
             self._prompt / elapsed,
             self._gen / elapsed,
-            s.num_running_reqs,
-            s.num_waiting_reqs,
-            100 * s.kv_cache_usage,
+            sum(s.num_running_reqs for s in latest),
+            sum(s.num_waiting_reqs for s in latest),
+            100 * sum(s.kv_cache_usage for s in latest) / len(latest),  # each core's pool is the same size
         )
         d = self._drafts
         if d.num_drafts:

@@ -331,11 +331,13 @@ def _thread_client(core: Any) -> type:
             self.running.proc.shutdown()
 
     class ThreadClient(AsyncMPClient):
-        def _start_process(self, config: Any) -> Any:
+        def _spawn(self, config: Any) -> Any:
             front = SimpleNamespace(input_addr=self.input_addr, output_addr=self.output_addr)
-            running = Running(core, front)  # type: ignore[arg-type]
-            self.capacity = running.proc.utility_capacity()
-            return ThreadHandle(running)
+            self.running = Running(core, front)  # type: ignore[arg-type]
+            return ThreadHandle(self.running), None
+
+        def _await_ready(self) -> dict:
+            return self.running.proc.utility_capacity()
 
     return ThreadClient
 

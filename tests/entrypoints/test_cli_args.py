@@ -35,6 +35,7 @@ TODAYS_FLAGS = {
     "--scheduling-policy": "fcfs",
     "--device": "auto",
     "--tensor-parallel-size": 1,
+    "--data-parallel-size": 1,
     "--attention-backend": "auto",
     "--enforce-eager": False,
     "--trust-remote-code": False,
@@ -55,7 +56,7 @@ TODAYS_FLAGS = {
     "--shutdown-timeout": 30.0,
     "--max-waiting-requests": 1024,
 }
-ALIASES = {"-q": "--quantization", "-tp": "--tensor-parallel-size"}
+ALIASES = {"-q": "--quantization", "-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}
 
 
 def _serve_parser() -> argparse.ArgumentParser:

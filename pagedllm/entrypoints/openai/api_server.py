@@ -103,7 +103,8 @@ def _metrics_registry(engine: EngineClient, model_name: str) -> Any:
             return stat_logger.registry
     # Stand-in engines (tests) carry a partial config: their metrics keep the defaults.
     config = engine.config if isinstance(engine.config, EngineConfig) else None
-    stat_logger = PrometheusStatLogger(model_name, config=config)
+    num_engines = config.parallel_config.data_parallel_size if config is not None else 1
+    stat_logger = PrometheusStatLogger(model_name, config=config, num_engines=num_engines)
     if config is not None:
         stat_logger.log_engine_initialized(config, engine.capacity["num_blocks"])
     engine.stat_loggers.append(stat_logger)

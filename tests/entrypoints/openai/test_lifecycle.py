@@ -49,6 +49,7 @@ SERVE_FLAGS = [
     "--load-format",
     "--seed",
     "--tensor-parallel-size",
+    "--data-parallel-size",
     "--block-size",
     "--tokenizer",
     "--device",
