@@ -52,6 +52,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "1",
             "tensor parallelism on x86 CPU: 0 all-reduces through gloo instead of shared memory",
         ),
+        EnvVar(
+            "PAGEDLLM_PP_LAYER_PARTITION",
+            "",
+            "pipeline parallelism: decoder layers per stage, e.g. 2,1 (default: an even split)",
+        ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(
             "TORCH_EXTENSIONS_DIR",

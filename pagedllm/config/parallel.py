@@ -1,4 +1,4 @@
-"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor parallel on CPU; no pipeline parallel yet)."""
+"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor or pipeline parallel, on CPU)."""
 
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ class ParallelArgs:
         aliases=("-tp",),
     )
     pipeline_parallel_size: int = option(
-        1, "pipeline-parallel stages; accepted and validated, only 1 is supported for now", aliases=("-pp",)
+        1,
+        "pipeline-parallel stages: one worker process each (CPU, gloo), each holding a share of the layers "
+        "(PAGEDLLM_PP_LAYER_PARTITION=a,b,... sets the split); not combined with tensor parallelism yet",
+        aliases=("-pp",),
     )
 
     def create_parallel_config(self) -> ParallelConfig:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("pipeline parallelism is not available yet: use pipeline_parallel_size=1")
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
 
 
@@ -48,6 +49,22 @@ def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, device: st
             f"tensor_parallel_size={tp} cannot split the model's {num_heads} attention heads "
             f"({num_kv_heads} KV heads); valid sizes: {valid}"
         )
+
+
+def check_pipeline_parallel(pp: int, tp: int, num_layers: int, device: str) -> None:
+    """Start-up check that ``pp`` stages can split the model's layers (and the split asked for)."""
+    if pp == 1:
+        return
+    if device != "cpu":
+        raise ValueError(f"pipeline_parallel_size={pp} runs on CPU only for now (device={device!r})")
+    if tp != 1:
+        raise ValueError(
+            f"tensor_parallel_size={tp} with pipeline_parallel_size={pp}: combining them is not supported yet; "
+            "use one of the two"
+        )
+    from pagedllm.distributed.partition import layer_partition
+
+    layer_partition(num_layers, pp)
 
 
 def _splits(tp: int, num_heads: int, num_kv_heads: int) -> bool:
