@@ -45,7 +45,7 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "PAGEDLLM_EXECUTOR_TIMEOUT_S",
             "300",
-            "tensor parallelism: seconds a step may wait for a worker rank before it counts as hung",
+            "tensor / pipeline parallelism: seconds a step may wait for a worker rank before it counts as hung",
         ),
         EnvVar(
             "PAGEDLLM_SHM_ALLREDUCE",

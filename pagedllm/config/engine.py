@@ -145,10 +145,7 @@ class EngineArgs(
             enforce_eager=bool(self.enforce_eager),
             lora_config=self.create_lora_config(),
         )
-        parallel = config.parallel_config
-        check_pipeline_parallel(
-            parallel.pipeline_parallel_size, parallel.tensor_parallel_size, arch.num_hidden_layers, device
-        )
+        check_pipeline_parallel(config.parallel_config.pipeline_parallel_size, arch.num_hidden_layers, device)
         spec = config.speculative_config
         for a in (arch, spec.draft_arch if spec is not None else None):  # a draft model is split too
             if a is not None:

@@ -25,7 +25,7 @@ class ParallelArgs:
     pipeline_parallel_size: int = option(
         1,
         "pipeline-parallel stages: one worker process each (CPU, gloo), each holding a share of the layers "
-        "(PAGEDLLM_PP_LAYER_PARTITION=a,b,... sets the split); not combined with tensor parallelism yet",
+        "(PAGEDLLM_PP_LAYER_PARTITION=a,b,... sets the split); times tensor_parallel_size processes in all",
         aliases=("-pp",),
     )
 
@@ -51,17 +51,12 @@ def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, device: st
         )
 
 
-def check_pipeline_parallel(pp: int, tp: int, num_layers: int, device: str) -> None:
+def check_pipeline_parallel(pp: int, num_layers: int, device: str) -> None:
     """Start-up check that ``pp`` stages can split the model's layers (and the split asked for)."""
     if pp == 1:
         return
     if device != "cpu":
         raise ValueError(f"pipeline_parallel_size={pp} runs on CPU only for now (device={device!r})")
-    if tp != 1:
-        raise ValueError(
-            f"tensor_parallel_size={tp} with pipeline_parallel_size={pp}: combining them is not supported yet; "
-            "use one of the two"
-        )
     from pagedllm.distributed.partition import layer_partition
 
     layer_partition(num_layers, pp)

@@ -28,11 +28,13 @@ from pagedllm.distributed.partition import layer_partition
 
 @dataclass(frozen=True)
 class PPGroup:
-    """This rank's stage ``rank`` of ``size``; ``prev`` / ``next``: the neighbours' global ranks."""
+    """This rank's stage ``rank`` of ``size``, in ``group``: one rank per stage, the same
+    tensor-parallel rank in each (its ranks in stage order), so a stage's every TP rank talks to
+    its counterparts only (the hidden states are whole on every TP rank)."""
 
     rank: int = 0
     size: int = 1
-    group: dist.ProcessGroup | None = None  # the stages' ranks (None: torch.distributed's default)
+    group: dist.ProcessGroup | None = None  # None: torch.distributed's default (world) group
 
     @property
     def is_first(self) -> bool:
@@ -52,19 +54,19 @@ class PPGroup:
 
     def send(self, hidden: torch.Tensor, residual: torch.Tensor) -> None:
         """Hand this stage's output (hidden states and residual stream) to the next stage."""
-        dist.send(torch.stack((hidden, residual)), self.rank + 1, group=self.group)
+        dist.send(torch.stack((hidden, residual)), group=self.group, group_dst=self.rank + 1)
 
     def recv(self, num_tokens: int, hidden_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden states, residual) for a step of ``num_tokens`` tokens."""
         buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype)
-        dist.recv(buf, self.rank - 1, group=self.group)
+        dist.recv(buf, group=self.group, group_src=self.rank - 1)
         return buf[0], buf[1]
 
     def share_sampled(self, token_ids: list[list[int]] | None) -> list[list[int]]:
         """The last stage's sampled tokens, on every stage (each keeps the requests' tokens: the
         first stage embeds them next step, and every stage's batch must stay the same)."""
         box: list[object] = [token_ids]
-        dist.broadcast_object_list(box, src=self.size - 1, group=self.group)
+        dist.broadcast_object_list(box, group=self.group, group_src=self.size - 1)
         result = box[0]
         assert isinstance(result, list), "the last stage always sends its tokens"
         return result

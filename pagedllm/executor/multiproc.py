@@ -1,5 +1,5 @@
-"""Executor with one worker process per rank: tensor-parallel ranks (``tensor_parallel_size > 1``)
-or pipeline stages (``pipeline_parallel_size > 1``).
+"""Executor with one worker process per rank: tensor-parallel ranks (``tensor_parallel_size > 1``),
+pipeline stages (``pipeline_parallel_size > 1``), or both (each stage's ranks in a row).
 
 Every rank, rank 0 included, is a child process (multiprocessing ``spawn``): the engine core's
 process never initialises ``torch.distributed`` nor changes its own torch thread count, so a
@@ -287,15 +287,23 @@ def _worker_main(
 
 
 def _install_groups(config: EngineConfig, rank: int, world_size: int) -> None:
-    """The layers' view of this rank: a pipeline stage (its tensor-parallel group is itself alone),
-    or a tensor-parallel rank (all-reducing through shared memory where it can)."""
+    """The layers' view of this rank: its tensor-parallel group (the ranks of its stage) and, with
+    pipeline stages, its pipeline group (its counterparts in every stage). Ranks are laid out
+    stage by stage: rank = stage * tp + tp_rank (vLLM's order)."""
     from pagedllm.distributed import shm_allreduce
     from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
     from pagedllm.distributed.pipeline import PPGroup, set_pp_group
 
-    if config.parallel_config.pipeline_parallel_size > 1:  # not combined with TP (config/parallel.py)
-        set_tp_group(TPGroup())
-        set_pp_group(PPGroup(rank, world_size))
+    tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        import torch.distributed as dist
+
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        pp_groups = [dist.new_group(list(range(t, world_size, tp))) for t in range(tp)]
+        stage, tp_rank = divmod(rank, tp)
+        set_tp_group(TPGroup(tp_rank, tp, tp_groups[stage]) if tp > 1 else TPGroup())
+        set_pp_group(PPGroup(stage, pp, pp_groups[tp_rank]))
         return
     shm = None
     # Ranks spin while they wait for each other: only when each has a core of its own.

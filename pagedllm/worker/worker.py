@@ -1,4 +1,4 @@
-"""Worker: one per device, one per TP rank (executor/multiproc.py). Sets up the device, sizes the KV pool.
+"""Worker: one per device, one per TP rank or pipeline stage (executor/multiproc.py). Sets up the device, sizes the KV pool.
 
 KV pool sizing. On CPU the pool has a fixed size (``kv_cache_memory``, 4 GiB by default). On CUDA
 it gets what is left of ``gpu_memory_utilization`` of the device after the weights, the peak

@@ -96,6 +96,20 @@ def test_uneven_split_matches_and_sizes_kv_by_the_fullest_stage(three_layer_dir,
             llm.llm_engine.shutdown()
 
 
+def test_tp2_times_pp2_matches_one_process(llama_model_dir):
+    """Four processes: two stages of two tensor-parallel ranks each."""
+    model_dir = str(llama_model_dir)
+    reference = _run(LLM(model_dir, **ENGINE), rounds=1)
+    llm = LLM(model_dir, tensor_parallel_size=2, pipeline_parallel_size=2, **ENGINE)
+    workers = _workers(llm)
+    assert len(workers) == 4
+    try:
+        assert _run(llm, rounds=1) == reference
+    finally:
+        llm.llm_engine.shutdown()
+    assert _all_gone(workers)
+
+
 def test_a_stage_builds_and_reads_only_its_layers(three_layer_dir, monkeypatch):
     """Stage 1 of "1,2": layers 1-2, the final norm and the (tied) LM head; stage 0 tensors are
     never read from the checkpoint."""
@@ -154,7 +168,7 @@ def test_bad_partition_is_a_clear_error(three_layer_dir, monkeypatch, partition,
     "kwargs, message",
     [
         ({"pipeline_parallel_size": 4}, "exceeds the model's 3 layers"),
-        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 2}, "combining them is not supported yet"),
+        ({"pipeline_parallel_size": 2, "tensor_parallel_size": 3}, r"tensor_parallel_size=3 cannot split"),
         ({"pipeline_parallel_size": 2, "enable_lora": True}, "--enable-lora is not supported with pipeline"),
     ],
 )
