@@ -25,7 +25,7 @@ class ParallelArgs:
     pipeline_parallel_size: int = option(
         1,
         "pipeline-parallel stages: one worker process each (CPU, gloo), each holding a share of the layers "
-        "(PAGEDLLM_PP_LAYER_PARTITION=a,b,... sets the split); times tensor_parallel_size processes in all",
+        "(PAGEDLLM_PP_LAYER_PARTITION=a,b,... sets the split); with tensor parallelism, tp x pp processes",
         aliases=("-pp",),
     )
 

@@ -18,6 +18,7 @@ from entrypoints.openai.conftest import RemoteServer
 from executor.test_multiproc import ENGINE, GREEDY, PROMPTS, _all_gone, _min_top2_gap, _run, _workers
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
+from pagedllm.distributed.partition import layer_partition
 from pagedllm.distributed.pipeline import PPGroup, set_pp_group
 from pagedllm.executor.multiproc import WorkerDiedError
 from pagedllm.hf_config import load_arch_config
@@ -36,6 +37,15 @@ def _pagedllm_shm() -> set[str]:
 
 def _num_blocks(llm: LLM) -> int:
     return llm.llm_engine.engine_core.scheduler.kv_cache_manager.block_pool.num_blocks
+
+
+@pytest.mark.parametrize("layers, pp, sizes", [(4, 2, [2, 2]), (3, 2, [2, 1]), (10, 4, [2, 3, 3, 2]), (30, 1, [30])])
+def test_even_split_gives_leftovers_to_the_stages_before_the_last(layers, pp, sizes, monkeypatch):
+    monkeypatch.delenv("PAGEDLLM_PP_LAYER_PARTITION", raising=False)
+    assert layer_partition(layers, pp) == sizes
+    ranges = [PPGroup(stage, pp).layer_range(layers) for stage in range(pp)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous, in stage order
 
 
 def test_pp2_even_split_matches_one_process(llama_model_dir):
