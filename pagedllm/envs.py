@@ -45,12 +45,17 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "PAGEDLLM_EXECUTOR_TIMEOUT_S",
             "300",
-            "tensor parallelism: seconds a step may wait for a worker rank before it counts as hung",
+            "tensor / pipeline parallelism: seconds a step may wait for a worker rank before it counts as hung",
         ),
         EnvVar(
             "PAGEDLLM_SHM_ALLREDUCE",
             "1",
             "tensor parallelism on x86 CPU: 0 all-reduces through gloo instead of shared memory",
+        ),
+        EnvVar(
+            "PAGEDLLM_PP_LAYER_PARTITION",
+            "",
+            "pipeline parallelism: decoder layers per stage, e.g. 2,1 (default: an even split)",
         ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(

@@ -20,6 +20,7 @@ from pagedllm.config.parallel import (
     ParallelArgs,
     ParallelConfig,
     check_data_parallel,
+    check_pipeline_parallel,
     check_tensor_parallel,
     kv_heads_per_rank,
 )
@@ -44,19 +45,20 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: never capture CUDA graphs (decode runs eagerly, as on CPU)
     lora_config: LoRAConfig | None = None  # None: LoRA off
 
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self, stage_layers: int | None = None) -> int:
         """Target layers plus, with a draft model, its layers: both share every block table. An
-        encoder keeps no KV: its blocks are bookkeeping only (0 bytes)."""
+        encoder keeps no KV: its blocks are bookkeeping only (0 bytes). ``stage_layers``: a
+        pipeline stage's share of the target's layers (None: all of them)."""
         if self.model_config.arch.encoder_only:
             return 0
-        archs = [self.model_config.arch]
+        target = self.model_config.arch
+        layers = [(target, target.num_hidden_layers if stage_layers is None else stage_layers)]
         if self.speculative_config is not None and self.speculative_config.draft_arch is not None:
-            archs.append(self.speculative_config.draft_arch)
+            draft = self.speculative_config.draft_arch
+            layers.append((draft, draft.num_hidden_layers))
         # Per rank: each tensor-parallel rank caches only its KV heads (kv_cache_memory is per rank).
         tp = self.parallel_config.tensor_parallel_size
-        per_token = sum(
-            2 * a.num_hidden_layers * kv_heads_per_rank(a.num_key_value_heads, tp) * a.head_dim for a in archs
-        )
+        per_token = sum(2 * n * kv_heads_per_rank(a.num_key_value_heads, tp) * a.head_dim for a, n in layers)
         return per_token * self.cache_config.block_size * self.model_config.dtype_bytes
 
     def num_swap_blocks(self) -> int:
@@ -144,6 +146,7 @@ class EngineArgs(
             enforce_eager=bool(self.enforce_eager),
             lora_config=self.create_lora_config(),
         )
+        check_pipeline_parallel(config.parallel_config.pipeline_parallel_size, arch.num_hidden_layers, device)
         spec = config.speculative_config
         for a in (arch, spec.draft_arch if spec is not None else None):  # a draft model is split too
             if a is not None:
@@ -164,12 +167,28 @@ def _combination_errors(args: EngineArgs, runner: str) -> list[str]:
         )
     if runner == "pooling" and args.enable_lora:
         errors.append("LoRA adapters serve generation; an embedding (pooling) engine cannot: drop --enable-lora")
+    if args.pipeline_parallel_size != 1:
+        errors += _pipeline_errors(args, runner)
     if args.enable_lora and args.tensor_parallel_size != 1:
         errors.append(
             "LoRA adapters are not split across tensor-parallel ranks yet: use --tensor-parallel-size 1 "
             "with --enable-lora"
         )
     return errors
+
+
+def _pipeline_errors(args: EngineArgs, runner: str) -> list[str]:
+    """What pipeline stages do not run yet: each stage would need its share of these."""
+    unsupported = {
+        "--runner pooling (embeddings)": runner == "pooling",
+        "--speculative-config": args.speculative_config is not None,
+        "--enable-lora": bool(args.enable_lora),
+    }
+    return [
+        f"{what} is not supported with pipeline parallelism yet: use --pipeline-parallel-size 1"
+        for what, used in unsupported.items()
+        if used
+    ]
 
 
 def encoder_only_configs(scheduler: SchedulerConfig, cache: CacheConfig) -> tuple[SchedulerConfig, CacheConfig]:

@@ -1,5 +1,5 @@
-"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor parallel on CPU; data parallel
-engine cores behind one server; no pipeline parallel yet)."""
+"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor or pipeline parallel, on CPU;
+data-parallel engine cores behind one server)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ class ParallelArgs:
         aliases=("-tp",),
     )
     pipeline_parallel_size: int = option(
-        1, "pipeline-parallel stages; accepted and validated, only 1 is supported for now", aliases=("-pp",)
+        1,
+        "pipeline-parallel stages: one worker process each (CPU, gloo), each holding a share of the layers "
+        "(PAGEDLLM_PP_LAYER_PARTITION=a,b,... sets the split); with tensor parallelism, tp x pp processes",
+        aliases=("-pp",),
     )
     data_parallel_size: int = option(
         1,
@@ -39,13 +42,13 @@ class ParallelArgs:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         check_positive("data_parallel_size", self.data_parallel_size)
-        if self.pipeline_parallel_size != 1:
-            raise ValueError("pipeline parallelism is not available yet: use pipeline_parallel_size=1")
-        if self.data_parallel_size > 1 and self.tensor_parallel_size > 1:
+        model_parallel = self.tensor_parallel_size * self.pipeline_parallel_size
+        if self.data_parallel_size > 1 and model_parallel > 1:
             raise ValueError(
                 f"data_parallel_size={self.data_parallel_size} with tensor_parallel_size="
-                f"{self.tensor_parallel_size} is not supported: use data parallelism (data_parallel_size > 1, "
-                "tensor_parallel_size=1) or tensor parallelism (data_parallel_size=1), not both"
+                f"{self.tensor_parallel_size} and pipeline_parallel_size={self.pipeline_parallel_size} is not "
+                "supported: use data parallelism (data_parallel_size > 1, tensor and pipeline parallel sizes 1) "
+                "or tensor/pipeline parallelism (data_parallel_size=1), not both"
             )
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
 
@@ -73,6 +76,17 @@ def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, device: st
             f"tensor_parallel_size={tp} cannot split the model's {num_heads} attention heads "
             f"({num_kv_heads} KV heads); valid sizes: {valid}"
         )
+
+
+def check_pipeline_parallel(pp: int, num_layers: int, device: str) -> None:
+    """Start-up check that ``pp`` stages can split the model's layers (and the split asked for)."""
+    if pp == 1:
+        return
+    if device != "cpu":
+        raise ValueError(f"pipeline_parallel_size={pp} runs on CPU only for now (device={device!r})")
+    from pagedllm.distributed.partition import layer_partition
+
+    layer_partition(num_layers, pp)
 
 
 def _splits(tp: int, num_heads: int, num_kv_heads: int) -> bool:

@@ -104,8 +104,9 @@ class EngineCore:
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """In process for one rank; one worker process per rank for tensor parallelism."""
-    if config.parallel_config.tensor_parallel_size > 1:
+    """In process for one rank; one worker process per rank for tensor or pipeline parallelism."""
+    parallel = config.parallel_config
+    if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         from pagedllm.executor.multiproc import MultiprocExecutor
 
         return MultiprocExecutor(config)

@@ -1,4 +1,5 @@
-"""Executor with one worker process per tensor-parallel rank (``tensor_parallel_size > 1``).
+"""Executor with one worker process per rank: tensor-parallel ranks (``tensor_parallel_size > 1``),
+pipeline stages (``pipeline_parallel_size > 1``), or both (each stage's ranks in a row).
 
 Every rank, rank 0 included, is a child process (multiprocessing ``spawn``): the engine core's
 process never initialises ``torch.distributed`` nor changes its own torch thread count, so a
@@ -6,10 +7,14 @@ TP=1 engine (or the user's code) in the same process is unaffected, and every ra
 alike (start, death, shutdown). The cost is one pickled ``ModelRunnerOutput`` per step.
 
 Each step the engine core sends the ``SchedulerOutput`` down one pipe per rank, then waits for
-every rank's answer; rank 0's is the step's result (the others answer ``None``). Every rank
-samples the same tokens: the logits are all-gathered (bit-identical on every rank), and every
-rank seeds torch alike and draws in the same order, so workers' per-request state never
-diverges. The waits watch each worker's process sentinel: a rank that dies makes the step raise
+every rank's answer; the output rank's is the step's result (the others answer ``None``). With
+tensor parallelism that is rank 0, and every rank samples the same tokens: the logits are
+all-gathered (bit-identical on every rank), and every rank seeds torch alike and draws in the
+same order, so workers' per-request state never diverges. With pipeline parallelism it is the
+last stage, the only one that samples: each stage runs its layers and sends its hidden states
+and residual to the next (``distributed/pipeline.py``), and the last stage broadcasts the
+sampled tokens back to the others. One step is in flight at a time: a stage idles while the
+others run. The waits watch each worker's process sentinel: a rank that dies makes the step raise
 at once, naming it, and a rank that goes silent raises after ``PAGEDLLM_EXECUTOR_TIMEOUT_S``.
 
 Crash safety: each worker arms ``PR_SET_PDEATHSIG`` (SIGKILL) first thing and exits if its
@@ -51,13 +56,17 @@ def threads_per_rank(world_size: int) -> int:
 
 
 class WorkerDiedError(RuntimeError):
-    """A tensor-parallel worker process exited or stopped answering."""
+    """A worker process (a tensor-parallel rank or a pipeline stage) exited or stopped answering."""
 
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.world_size = config.parallel_config.tensor_parallel_size
+        parallel = config.parallel_config
+        self.world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        # The rank whose step output is the engine's: tensor-parallel rank 0 of the last stage.
+        self.output_rank = self.world_size - parallel.tensor_parallel_size
+        kind = "pp" if parallel.pipeline_parallel_size > 1 else "tp"
         self.startup = StartupPhases()
         ctx = mp.get_context("spawn")
         if mp.current_process().daemon:
@@ -76,7 +85,7 @@ class MultiprocExecutor:
             proc = ctx.Process(
                 target=_worker_main,
                 args=(config, rank, self.world_size, port, threads, os.getpid(), child_end),
-                name=f"pagedllm-tp{rank}",
+                name=f"pagedllm-{kind}{rank}",
                 daemon=True,
             )
             proc.start()  # from the constructing thread: PDEATHSIG follows that thread's life
@@ -93,7 +102,8 @@ class MultiprocExecutor:
         for name, seconds in answers[0].items():  # rank 0's phases stand for all
             self.startup.add(f"rank 0 {name}", seconds)
         logger.info(
-            "tensor parallel: %d worker processes (pids %s), %d intra-op thread(s) each",
+            "%s: %d worker processes (pids %s), %d intra-op thread(s) each",
+            "pipeline parallel" if kind == "pp" else "tensor parallel",
             self.world_size,
             [p.pid for p in self.procs],
             threads,
@@ -107,7 +117,7 @@ class MultiprocExecutor:
         self._call("initialize_kv_cache", num_blocks)
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        result = self._call("execute_model", sched, timeout=envs.executor_timeout_s())[0]
+        result = self._call("execute_model", sched, timeout=envs.executor_timeout_s())[self.output_rank]
         assert isinstance(result, ModelRunnerOutput)
         return result
 
@@ -120,7 +130,7 @@ class MultiprocExecutor:
     # ------------------------------------------------------------------ transport
     def _call(self, method: str, *args: Any, timeout: float = _STARTUP_TIMEOUT_S) -> list[Any]:
         if self._closed:
-            raise WorkerDiedError("the tensor-parallel workers are shut down")
+            raise WorkerDiedError("the worker processes are shut down")
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send((method, args))
@@ -140,9 +150,7 @@ class MultiprocExecutor:
             if left <= 0:
                 self._abort()
                 ranks = sorted(pending)
-                raise WorkerDiedError(
-                    f"tensor-parallel worker rank(s) {ranks} did not answer {what!r} within {timeout:.0f} s"
-                )
+                raise WorkerDiedError(f"worker rank(s) {ranks} did not answer {what!r} within {timeout:.0f} s")
             ready = wait([*pending.values(), *sentinels], left)
             for obj in ready:
                 if obj in sentinels:  # a process exited: read its last answer first (an error message)
@@ -158,10 +166,13 @@ class MultiprocExecutor:
                     self._abort()
                     raise self._died(rank, what) from e
                 if not ok:
+                    dead = self._dead_peer(rank)
                     self._abort()
+                    if dead is not None:  # its death broke this rank's transfer: name the cause
+                        raise self._died(dead, what)
                     if isinstance(payload, ValueError):  # a setting that does not fit: the user's to fix
-                        raise ValueError(f"{payload} (tensor-parallel rank {rank})")
-                    raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed in {what!r}: {payload}")
+                        raise ValueError(f"{payload} (worker rank {rank})")
+                    raise WorkerDiedError(f"worker rank {rank} failed in {what!r}: {payload}")
                 answers[rank] = payload
                 del pending[rank]
         return [answers[r] for r in range(self.world_size)]
@@ -174,12 +185,22 @@ class MultiprocExecutor:
                 proc.terminate()
         self.shutdown()
 
+    def _dead_peer(self, rank: int) -> int | None:
+        """A rank other than ``rank`` that has exited (a peer killed mid-step makes the others'
+        collectives or transfers fail a moment later), or None."""
+        for peer, proc in enumerate(self.procs):
+            if peer != rank:
+                proc.join(0.05)  # a killed peer's exit is reaped within this
+                if proc.exitcode is not None:
+                    return peer
+        return None
+
     def _died(self, rank: int, what: str) -> WorkerDiedError:
         proc = self.procs[rank]
         proc.join(0.1)
         code = proc.exitcode
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-        return WorkerDiedError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) died during {what!r} ({how})")
+        return WorkerDiedError(f"worker rank {rank} (pid {proc.pid}) died during {what!r} ({how})")
 
 
 def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
@@ -219,7 +240,7 @@ def _worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
     if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
         envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank{rank}] %(message)s")
     import datetime
 
     import torch
@@ -234,16 +255,9 @@ def _worker_main(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
         )
-        from pagedllm.distributed import shm_allreduce
-        from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
         from pagedllm.worker.worker import Worker
 
-        shm = None
-        # Ranks spin while they wait for each other: only when each has a core of its own.
-        own_core = world_size <= cpu_info.usable_cpus()
-        if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
-            shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
-        set_tp_group(TPGroup(rank, world_size, None, shm))
+        _install_groups(config, rank, world_size)
         worker = Worker(config)
         worker.load_model()
         conn.send((True, dict(worker.startup.seconds)))
@@ -264,8 +278,36 @@ def _worker_main(
                 logger.exception("rank %d failed in %s", rank, method)
                 conn.send((False, _portable(e)))
                 break
-            conn.send((True, result if rank == 0 or method == "determine_num_blocks" else None))
+            output_rank = world_size - config.parallel_config.tensor_parallel_size
+            conn.send((True, result if rank == output_rank or method == "determine_num_blocks" else None))
     finally:
         conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _install_groups(config: EngineConfig, rank: int, world_size: int) -> None:
+    """The layers' view of this rank: its tensor-parallel group (the ranks of its stage) and, with
+    pipeline stages, its pipeline group (its counterparts in every stage). Ranks are laid out
+    stage by stage: rank = stage * tp + tp_rank (vLLM's order)."""
+    from pagedllm.distributed import shm_allreduce
+    from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
+    from pagedllm.distributed.pipeline import PPGroup, set_pp_group
+
+    tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        import torch.distributed as dist
+
+        # Every rank creates every group, in the same order (torch.distributed's rule).
+        tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
+        pp_groups = [dist.new_group(list(range(t, world_size, tp))) for t in range(tp)]
+        stage, tp_rank = divmod(rank, tp)
+        set_tp_group(TPGroup(tp_rank, tp, tp_groups[stage]) if tp > 1 else TPGroup())
+        set_pp_group(PPGroup(stage, pp, pp_groups[tp_rank]))
+        return
+    shm = None
+    # Ranks spin while they wait for each other: only when each has a core of its own.
+    own_core = world_size <= cpu_info.usable_cpus()
+    if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
+        shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
+    set_tp_group(TPGroup(rank, world_size, None, shm))

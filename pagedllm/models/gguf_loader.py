@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -51,16 +51,25 @@ def hf_tensor_name(gguf_name: str) -> str:
     return gguf_name
 
 
-def iterate_gguf(path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, float32 tensor) for every tensor of the file, one at a time from the
-    memory-mapped file. The header is read (and a bad file refused) now, before the caller
-    allocates the model."""
-    return _dequantized(read_metadata(path), path, arch)
+def iterate_gguf(
+    path: str | Path,
+    arch: ModelArchConfig,
+    keep: Callable[[str], bool] | None = None,
+    header: GGUFMetadata | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(Hugging Face name, float32 tensor) for every tensor of the file (whose name ``keep``
+    accepts), one at a time from the memory-mapped file. The header (``header`` if the caller
+    has read it) is read, and a bad file refused, now, before the caller allocates the model."""
+    return _dequantized(header or read_metadata(path), path, arch, keep)
 
 
-def _dequantized(header: GGUFMetadata, path: str | Path, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _dequantized(
+    header: GGUFMetadata, path: str | Path, arch: ModelArchConfig, keep: Callable[[str], bool] | None
+) -> Iterator[tuple[str, torch.Tensor]]:
     file = np.memmap(path, dtype=np.uint8, mode="r")
     for name, info in header.tensors.items():
+        if keep is not None and not keep(hf_tensor_name(name)):
+            continue  # never dequantized: another pipeline stage's tensor
         weights = unpermute_qk(name, dequantize(name, info, file[header.data_offset :], path), arch)
         yield hf_tensor_name(name), torch.from_numpy(weights)
 

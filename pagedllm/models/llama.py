@@ -17,6 +17,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from pagedllm.distributed.pipeline import get_pp_group
 from pagedllm.layers import cpu_decode_stack as decode_stack
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention import Attention
@@ -26,6 +27,7 @@ from pagedllm.layers.layernorm import RMSNorm
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.rotary import RotaryEmbedding, get_rope
 from pagedllm.model_arch import ModelArchConfig
+from pagedllm.models.stage import IntermediateTensors, PPMissingLayer, make_layers
 from pagedllm.models.weight_utils import load_packed_weights
 
 
@@ -122,26 +124,52 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelArchConfig, attention_cls: type[LlamaAttention]) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp_group()  # a pipeline stage builds only what it runs (models/stage.py)
+        self.is_last_stage = pp.is_last
+        # The last stage keeps a tied table too: its LM head shares it.
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if pp.is_first or (pp.is_last and config.tie_word_embeddings)
+            else PPMissingLayer()
+        )
         # One cos/sin table shared by every layer (in the dtype the model is being built in).
         self.rotary_emb = get_rope(
             config.head_dim, config.max_position_embeddings, config.rope, torch.get_default_dtype()
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary_emb, attention_cls) for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda i: LlamaDecoderLayer(config, i, self.rotary_emb, attention_cls)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.whole = pp.size == 1
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else PPMissingLayer()
         # The whole stack as one C++ call at CPU decode steps (layers/cpu_decode_stack.py), built
         # on the first step after the KV caches are bound, rebuilt if they are bound again.
         self._decode_stack: DecodeStack | None = None
         self._decode_stack_cache: torch.Tensor | None = None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        if decode_stack.applies(attn_metadata, hidden_states) and (stack := self.decode_stack()) is not None:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states; a pipeline stage before the last returns its IntermediateTensors,
+        one after the first starts from the previous stage's instead of ``input_ids``."""
+        if intermediate_tensors is None:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:
+            hidden_states, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
+        if (
+            self.whole
+            and decode_stack.applies(attn_metadata, hidden_states)
+            and (stack := self.decode_stack()) is not None
+        ):
             return stack(hidden_states, positions, attn_metadata)
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual = layer(positions, hidden_states, residual, attn_metadata)
+        if not self.is_last_stage:
+            assert residual is not None, "every stage runs at least one layer"
+            return IntermediateTensors(hidden_states, residual)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -171,14 +199,25 @@ class LlamaForCausalLM(nn.Module):
             )
         self.config = config
         self.model = LlamaModel(config, self.attention_cls)
-        if self.has_lm_head:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-            if config.tie_word_embeddings:
-                self.lm_head.tie_weights(self.model.embed_tokens)
+        if self.has_lm_head:  # a pipeline stage before the last has none
+            self.lm_head = self._lm_head(config) if self.model.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: Any) -> torch.Tensor:
-        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] after the final norm."""
-        return self.model(input_ids, positions, attn_metadata)
+    def _lm_head(self, config: ModelArchConfig) -> ParallelLMHead:
+        head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            head.tie_weights(cast(VocabParallelEmbedding, self.model.embed_tokens))
+        return head
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn_metadata: Any,
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """input_ids, positions: [T] int64 -> hidden states [T, hidden_size] after the final norm
+        (a pipeline stage: see ``LlamaModel.forward``)."""
+        return self.model(input_ids, positions, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, hidden_size] -> [N, vocab_size] float32; pass only the rows that need sampling."""

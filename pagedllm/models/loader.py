@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Protocol, cast
 
@@ -10,12 +10,19 @@ import torch
 from torch import nn
 
 from pagedllm.config.choices import LOAD_FORMATS
-from pagedllm.gguf_config import is_gguf_file, resolve_checkpoint
+from pagedllm.gguf_config import is_gguf_file, read_metadata, resolve_checkpoint
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
 from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.gguf_loader import iterate_gguf
 from pagedllm.models.registry import resolve_model_cls
-from pagedllm.models.weight_utils import iterate_safetensors, map_checkpoint_name, name_maps, safetensors_files
+from pagedllm.models.stage import missing_prefixes
+from pagedllm.models.weight_utils import (
+    iterate_safetensors,
+    map_checkpoint_name,
+    name_maps,
+    owned_by,
+    safetensors_files,
+)
 
 _MAX_LISTED = 10
 
@@ -48,18 +55,23 @@ def load_model(
     if weights is None:
         init_dummy_weights(model, seed)
     else:
-        _load_checkpoint(model, weights, model_dir)
+        _load_checkpoint(model, weights(owned_by(model, missing_prefixes(model))), model_dir)
     process_weights_after_loading(model)
     return model.eval().requires_grad_(False)
 
 
-def _checkpoint_weights(
-    model_dir: str | None, load_format: str, arch: ModelArchConfig
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's (name, tensor) stream, its files checked before any memory is allocated."""
+_Stream = Callable[[Callable[[str], bool] | None], Iterator[tuple[str, torch.Tensor]]]
+
+
+def _checkpoint_weights(model_dir: str | None, load_format: str, arch: ModelArchConfig) -> _Stream:
+    """The checkpoint's (name, tensor) stream given a name filter (None: every tensor; a pipeline
+    stage reads only its own), its files checked now, before any memory is allocated."""
     if model_dir is not None and (load_format == "gguf" or is_gguf_file(model_dir)):
-        return iterate_gguf(resolve_checkpoint(model_dir, load_format), arch)
-    return iterate_safetensors(_checkpoint_files(model_dir))
+        path = resolve_checkpoint(model_dir, load_format)
+        header = read_metadata(path)  # a bad file is refused before the model is allocated
+        return lambda keep: iterate_gguf(path, arch, keep, header)
+    files = _checkpoint_files(model_dir)
+    return lambda keep: iterate_safetensors(files, keep)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:

@@ -93,10 +93,28 @@ def safetensors_files(model_dir: str | Path) -> list[Path]:
     return sorted(model_dir.glob("*.safetensors"))
 
 
-def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(
+    files: list[Path], keep: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of ``files`` (whose name ``keep`` accepts: the others are never read)."""
     from safetensors import safe_open
 
     for path in files:
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                yield name, f.get_tensor(name)
+                if keep is None or keep(name):
+                    yield name, f.get_tensor(name)
+
+
+def owned_by(model: nn.Module, prefixes: tuple[str, ...]) -> Callable[[str], bool] | None:
+    """A checkpoint-name filter that drops the tensors of the modules under ``prefixes`` (another
+    pipeline stage's, ``models/stage.py``); None when there are none."""
+    if not prefixes:
+        return None
+    mapping, rename = name_maps(model)
+
+    def keep(name: str) -> bool:
+        target = map_checkpoint_name(name, mapping, rename)
+        return target is None or not target[0].startswith(prefixes)
+
+    return keep

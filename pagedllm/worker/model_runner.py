@@ -17,11 +17,13 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.pipeline import get_pp_group
 from pagedllm.layers.attention.metadata import CommonAttentionMetadata
 from pagedllm.layers.attention.selector import get_attn_backend
 from pagedllm.lora.context import lora_step
 from pagedllm.lora.manager import LoRAModelManager
 from pagedllm.models.loader import load_model
+from pagedllm.models.stage import IntermediateTensors
 from pagedllm.sampling.sampler import Sampler
 from pagedllm.spec_decode.factory import make_proposer
 from pagedllm.spec_decode.proposer import Proposer
@@ -70,6 +72,7 @@ class ModelRunner:
         # An encoder attends bidirectionally over whole prompts and keeps no KV: its attention
         # reads the flat batch's layout (CommonAttentionMetadata), not a paged backend's metadata.
         self.encoder_only = config.model_config.arch.encoder_only
+        self.pp = get_pp_group()  # a pipeline stage: hands its hidden states on unless it is the last
 
     @property
     def model(self) -> CausalLM:
@@ -149,6 +152,8 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
         batch = self.input_batch.prepare(sched, sampling=self.pooler is None)
+        if not self.pp.is_last:
+            return self._run_earlier_stage(batch)
         lora_mapping, errors = self._prepare_lora(batch)
         hidden = self._forward(batch, lora_mapping)
         if self.pooler is not None:
@@ -163,11 +168,35 @@ class ModelRunner:
 
     def _forward(self, batch: BatchInputs, lora_mapping: Any = None) -> torch.Tensor:
         """Hidden states [T, hidden]: a CUDA graph replay for decode-only steps, else eager."""
+        if self.pp.size > 1:
+            out = self._stage_forward(batch)
+            assert isinstance(out, torch.Tensor), "the last stage ends with the final norm"
+            return out
         if self.cuda_graphs is not None and self.cuda_graphs.can_run(batch):
             return self.cuda_graphs.run(batch)
         scope = contextlib.nullcontext() if lora_mapping is None else lora_step(lora_mapping)
         with scope:
             return self.model(batch.input_ids, batch.positions, self.attention_metadata(batch.attn))
+
+    def _stage_forward(self, batch: BatchInputs) -> torch.Tensor | IntermediateTensors:
+        """A pipeline stage's forward: from the previous stage's tensors unless it is the first."""
+        intermediate = None
+        if not self.pp.is_first:
+            hidden_size = self.config.model_config.arch.hidden_size
+            intermediate = IntermediateTensors(*self.pp.recv(len(batch.input_ids), hidden_size, self.dtype))
+        stage = cast(Any, self.model)  # CausalLM types the single-stage call only
+        out = stage(batch.input_ids, batch.positions, self.attention_metadata(batch.attn), intermediate)
+        return cast(torch.Tensor | IntermediateTensors, out)
+
+    def _run_earlier_stage(self, batch: BatchInputs) -> ModelRunnerOutput:
+        """A stage before the last: run its layers, hand the result on, then record the tokens the
+        last stage sampled (this stage's batch must stay the same as the last one's)."""
+        out = self._stage_forward(batch)
+        assert isinstance(out, IntermediateTensors), "only the last stage ends with the final norm"
+        self.pp.send(out.hidden_states, out.residual)
+        if batch.sampling is not None:
+            self.input_batch.record_sampled(batch, self.pp.share_sampled(None))
+        return ModelRunnerOutput(sampled_token_ids={})  # the last stage's output is the step's
 
     def _prepare_lora(self, batch: BatchInputs) -> tuple[Any, dict[str, str]]:
         """The step's LoRA mapping (None when no row runs an adapter), and req_id -> why for the
@@ -197,6 +226,8 @@ class ModelRunner:
         assert batch.sampling is not None, "called only for steps that sample"
         result = self.sampler.sample(logits, batch.sampling, batch.drafts)
         emitted = result.token_ids
+        if self.pp.size > 1:
+            self.pp.share_sampled(emitted)
         self.input_batch.record_sampled(batch, emitted)
         output.sampled_token_ids.update(zip(batch.sample_req_ids, emitted))
         if result.logprobs_tensors is not None:

@@ -1,4 +1,4 @@
-"""Worker: one per device, one per TP rank (executor/multiproc.py). Sets up the device, sizes the KV pool.
+"""Worker: one per device, one per TP rank or pipeline stage (executor/multiproc.py). Sets up the device, sizes the KV pool.
 
 KV pool sizing. On CPU the pool has a fixed size (``kv_cache_memory``, 4 GiB by default). On CUDA
 it gets what is left of ``gpu_memory_utilization`` of the device after the weights, the peak
@@ -18,6 +18,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.pipeline import get_pp_group
 from pagedllm.layers import cpu_kernels
 from pagedllm.metrics.startup import StartupPhases
 from pagedllm.sampling.metadata import SamplingMetadata
@@ -114,7 +115,10 @@ class Worker:
         # More blocks than every sequence at full length could use only lengthens start-up;
         # what is left over still serves the prefix cache, so keep a generous cap.
         useful = self.config.scheduler_config.max_num_seqs * self.config.blocks_per_max_len_request() + 1
-        per_block = self.config.kv_bytes_per_block()
+        # A pipeline stage caches only its own layers: it fits more blocks than the whole model
+        # would; the executor takes the fewest any stage fits.
+        start, end = get_pp_group().layer_range(self.config.model_config.arch.num_hidden_layers)
+        per_block = self.config.kv_bytes_per_block(end - start)
         if per_block == 0:
             return useful  # an encoder keeps no KV: its blocks are bookkeeping only
         budget = self._kv_memory_budget()

@@ -143,7 +143,7 @@ def test_tp_not_dividing_heads_lists_valid_sizes(llama_model_dir):
 
 def test_worker_value_error_reaches_the_caller(llama_model_dir):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=2 cannot hold .*tensor-parallel rank [01]"):
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=2 cannot hold .*worker rank [01]"):
         LLM(str(llama_model_dir), tensor_parallel_size=2, num_gpu_blocks_override=2)
     spawned = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
     # multiprocessing's resource tracker lives as long as this process, whatever started it

@@ -1,0 +1,157 @@
+"""Decode step time with two pipeline stages (one thread each) against one process, and the cost of
+the stage-to-stage transfer.
+
+    python -m benchmarks.pipeline_parallel [--batch 16] [--rounds 30]
+
+Model: the SmolLM-135M shape (vocab 49152, hidden 576, 30 layers, fp32, dummy weights). Each
+configuration runs in its own process (``OMP_NUM_THREADS`` set before torch starts): one process
+with 1 and with 2 threads, each with and without the fused decode stack (which stands aside in a
+pipeline stage), and PP=2 (15 + 15 layers) with one thread per stage. Each holds ``batch`` running
+requests (32-token prompts); after warm-up every engine step is one decode step of the whole
+batch; reported: the median step over ``rounds`` steps and tokens per second. One batch is in
+flight at a time, so the stages take turns: PP splits the memory, not the time.
+
+The script also times, between two processes, one step's transfer as the stages make it: a gloo
+``send``/``recv`` of the ``[2, tokens, hidden]`` fp32 hidden states and residual (for a decode
+step of ``batch`` tokens and a 512-token prefill chunk), and the broadcast of the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HIDDEN = 576
+
+
+def _one(model_dir: str, pp: int, batch: int, rounds: int) -> dict[str, Any]:
+    """Run in a child process: one engine, median decode step."""
+    import torch
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.engine.llm_engine import LLMEngine
+    from pagedllm.sampling_params import SamplingParams
+
+    engine = LLMEngine.from_engine_args(
+        EngineArgs(
+            model=model_dir,
+            load_format="dummy",
+            dtype="float32",
+            enable_prefix_caching=False,
+            max_num_seqs=batch,
+            kv_cache_memory=1,
+            pipeline_parallel_size=pp,
+        )
+    )
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
+    for i in range(batch):
+        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(32)]}, params)
+    for _ in range(4):  # prefill and warm-up
+        engine.step()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    engine.shutdown()
+    step = statistics.median(times)
+    return {"threads": torch.get_num_threads(), "step_ms": step * 1e3, "tok_s": batch / step}
+
+
+def _transfer_worker(rank: int, port: int, tokens: list[int], rounds: int, out: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    from pagedllm.distributed.pipeline import PPGroup
+
+    stage = PPGroup(rank, 2)
+    result = {}
+    for n in tokens:
+        x = torch.randn(n, HIDDEN)
+        times = []
+        for i in range(rounds + 10):
+            start = time.perf_counter()
+            if rank == 0:
+                stage.send(x, x)
+            else:
+                stage.recv(n, HIDDEN, torch.float32)
+            if i >= 10:
+                times.append(time.perf_counter() - start)
+        result[f"send/recv {n} tokens"] = statistics.median(times)
+    sampled = [[token] for token in range(tokens[0])]
+    times = []
+    for i in range(rounds + 10):
+        start = time.perf_counter()
+        stage.share_sampled(sampled if rank == 1 else None)
+        if i >= 10:
+            times.append(time.perf_counter() - start)
+    result[f"tokens broadcast ({tokens[0]} rows)"] = statistics.median(times)
+    if rank == 1:  # the receiver: its wait includes the transfer
+        out.put(result)
+    dist.destroy_process_group()
+
+
+def transfer_ms(tokens: list[int], rounds: int = 200) -> dict[str, float]:
+    """Median time of each transfer a step makes between two stages."""
+    import multiprocessing as mp
+
+    from pagedllm.executor.multiproc import _free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_transfer_worker, args=(r, port, tokens, rounds, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    result = out.get(timeout=120)
+    for p in procs:
+        p.join(30)
+    return {name: seconds * 1e3 for name, seconds in result.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=30)
+    p.add_argument("--one", type=int, metavar="PP", help=argparse.SUPPRESS)  # a child: one engine
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(_one(args.model_dir, args.one, args.batch, args.rounds)))
+        return
+    from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
+
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="pp-bench-") as tmp:
+        model_dir = str(write_dummy_model_dir(Path(tmp)))
+        for pp, threads, stack in [(1, 1, "1"), (1, 1, "0"), (1, 2, "1"), (1, 2, "0"), (2, 1, "0")]:
+            env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PAGEDLLM_CPU_DECODE_STACK": stack}
+            cmd = [sys.executable, "-m", "benchmarks.pipeline_parallel", "--one", str(pp)]
+            cmd += ["--model-dir", model_dir, "--batch", str(args.batch), "--rounds", str(args.rounds)]
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            path = "decode stack" if stack == "1" else "modules"
+            rows.append((f"PP={pp}", f"{threads} per process", path, r["step_ms"], r["tok_s"]))
+    print(env_line(environment()))
+    print(format_table(("config", "threads", "path", f"step ms (batch {args.batch})", "tok/s"), rows))
+    for name, ms in transfer_ms([args.batch, 512]).items():
+        print(f"{name}: {ms:.3f} ms median")
+
+
+if __name__ == "__main__":
+    main()
