@@ -113,7 +113,9 @@ def test_max_concurrent_frees_on_release() -> None:
 
 
 def output(prompt: int, generated: list[int]) -> SimpleNamespace:
-    return SimpleNamespace(prompt_token_ids=[0] * prompt, outputs=[SimpleNamespace(token_ids=[0] * n) for n in generated])
+    return SimpleNamespace(
+        prompt_token_ids=[0] * prompt, outputs=[SimpleNamespace(token_ids=[0] * n) for n in generated]
+    )
 
 
 async def stream(outputs: list[SimpleNamespace]):
