@@ -159,8 +159,12 @@ QUEUED = FLOOD // 2  # B is sent once this many of the flood wait in the engine
 
 
 async def _timed(client: httpx.AsyncClient, name: str, body: dict, done: list[float]) -> None:
-    resp = await client.post("/v1/completions", json=body, headers=auth(name))
-    assert resp.status_code == 200, resp.text
+    """One streamed request, read to its end (streamed: the server then has no disconnect
+    polling to do per waiting request, which would crowd its event loop); ``done`` gets its end."""
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=auth(name)) as resp:
+        assert resp.status_code == 200
+        lines = [line async for line in resp.aiter_lines() if line]
+    assert lines[-1] == "data: [DONE]", lines[-2:]
     done.append(time.perf_counter())
 
 
@@ -222,15 +226,15 @@ def test_one_key_flooding_does_not_delay_another(srv) -> None:
     # With fair share only the batch running when B arrives, and the few admitted while B's
     # request crosses the busy HTTP server, finish first: a few batches' worth at most.
     assert finished_meanwhile <= 3 * MAX_NUM_SEQS, (finished_meanwhile, waiting)
-    # In engine steps: a free slot within FLOOD_MAX_TOKENS steps and B's prefill one more; the
-    # rest is B's request crossing an HTTP server busy with the flood's connections. Behind
-    # the flood it would wait waiting / MAX_NUM_SEQS batches of FLOOD_MAX_TOKENS steps each:
-    # >= 200 steps.
+    # In engine steps: a free slot within FLOOD_MAX_TOKENS steps and B's prefill one more, x3
+    # for B's trip through the HTTP server and the machine's noise (about 5 steps measured).
+    # Behind the flood it would wait waiting / MAX_NUM_SEQS batches of FLOOD_MAX_TOKENS steps
+    # each: >= 200 steps.
     steps = ttft / step
     print(
         f"B: TTFT {ttft:.3f} s = {steps:.1f} steps of {step * 1000:.1f} ms; {finished_meanwhile} of A finished meanwhile"
     )
     behind_the_flood = waiting / MAX_NUM_SEQS * FLOOD_MAX_TOKENS
-    assert steps <= 6 * (FLOOD_MAX_TOKENS + 1) and steps < behind_the_flood / 2, (ttft, step, steps, waiting)
+    assert steps <= 3 * (FLOOD_MAX_TOKENS + 1) and steps < behind_the_flood / 4, (ttft, step, steps, waiting)
     assert key_metric(srv, "requests", "flood") == FLOOD
     assert key_metric(srv, "generation_tokens", "flood") == FLOOD * FLOOD_MAX_TOKENS
