@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.core.request_queue import FairShareQueue
+from pagedllm.core.request_queue import FairShareQueue, FCFSQueue
 from pagedllm.request import Request, RequestStatus
 from pagedllm.sampling_params import SamplingParams
 from tests.core.test_scheduler import FakeModel, MakeScheduler, make_scheduler, run_to_completion, step
@@ -104,4 +104,22 @@ def test_scheduler_gives_a_freed_slot_to_the_other_tenant(make_scheduler: MakeSc
     assert sorted(out.num_scheduled_tokens) == ["a0", "a1"] and all(o.finished for o in outputs.outputs)
     out, _ = step(sched, model)
     assert [r.req_id for r in out.scheduled_new_reqs] == ["b0", "a2"]
+    run_to_completion(sched, model)
+
+
+def test_without_fair_share_the_late_tenant_waits_behind_the_flood(make_scheduler: MakeScheduler) -> None:
+    """The same flood with one plain FCFS queue (the order before fair share): B's request is
+    admitted only after all of A's."""
+    sched = make_scheduler(num_blocks=40, max_num_seqs=2)
+    sched.waiting = FCFSQueue()
+    model = FakeModel(sched)
+    for i in range(22):
+        sched.add_request(req(f"a{i}", "A"))
+    step(sched, model)
+    sched.add_request(req("b0", "B"))
+    admitted: list[str] = []
+    while "b0" not in admitted:
+        out, _ = step(sched, model)
+        admitted += [r.req_id for r in out.scheduled_new_reqs]
+    assert admitted == [f"a{i}" for i in range(2, 22)] + ["b0"]
     run_to_completion(sched, model)
