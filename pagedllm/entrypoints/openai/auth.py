@@ -115,6 +115,9 @@ class ServerGate:
         return key
 
     async def _admit(self, scope, receive, send, key: ApiKey | None) -> None:
+        """Overload first (a 503 costs the key nothing), then the key's quotas (429), then run."""
+        if self.load() >= self.max_load:
+            return await self._overloaded()(scope, receive, send)
         ticket = None
         if key is not None:
             try:
@@ -122,23 +125,18 @@ class ServerGate:
             except QuotaExceeded as exc:
                 return await rate_limit_response(exc.message, exc.retry_after)(scope, receive, send)
             scope.setdefault("state", {})["quota_ticket"] = ticket
-        try:
-            await self._admit_load(scope, receive, send)
-        finally:
-            if ticket is not None:
-                ticket.release()
-
-    async def _admit_load(self, scope, receive, send) -> None:
-        if self.load() >= self.max_load:
-            response = error_response(
-                f"the server is overloaded ({self.load()} requests in flight, limit {self.max_load}); "
-                f"retry after {RETRY_AFTER_S} s",
-                503,
-                headers={"Retry-After": str(RETRY_AFTER_S)},
-            )
-            return await response(scope, receive, send)
         self.counter.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
             self.counter.in_flight -= 1
+            if ticket is not None:
+                ticket.release()
+
+    def _overloaded(self) -> Any:
+        return error_response(
+            f"the server is overloaded ({self.load()} requests in flight, limit {self.max_load}); "
+            f"retry after {RETRY_AFTER_S} s",
+            503,
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )

@@ -168,3 +168,48 @@ def test_tpm_final_outputs_unstarted_streams_and_too_large_requests() -> None:
     assert book.state(key).tokens.used(book.clock()) == 9 and book.state(key).in_flight == 0
     with pytest.raises(ValueError, match="reserves 501 tokens .* more than the 100 tokens per minute .* max_tokens"):
         reserve_prompts(book.admit(key), [[1]], SimpleNamespace(max_tokens=None, n=1), tokenizer, 501)
+
+
+# ---------------------------------------------------------------------------------- the gate
+def run_gate(gate, token: str) -> dict:
+    """One POST /v1/completions through ``gate``; the response start message (or the app's)."""
+    sent: list[dict] = []
+    scope = {"type": "http", "path": "/v1/completions", "method": "POST", "headers": [(b"authorization", token)]}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    async def receive() -> dict:
+        return {"type": "http.request"}
+
+    async def run() -> None:
+        try:
+            await gate(scope, receive, send)
+        except RuntimeError:
+            sent.append({"status": "app failed"})
+
+    asyncio.run(run())
+    return sent[0] if sent else {"status": "ran", "state": scope.get("state")}
+
+
+def test_gate_order_and_release_on_failure() -> None:
+    from pagedllm.entrypoints.openai.auth import ServerGate
+
+    key = ApiKey(b"sk-g", "g", rpm=2, max_concurrent=1)
+    book = QuotaBook()
+    load = [0]
+
+    async def failing_app(scope, receive, send) -> None:
+        assert scope["state"]["api_key"] is key and book.state(key).in_flight == 1
+        raise RuntimeError("the handler failed")
+
+    gate = ServerGate(failing_app, [key], 4, lambda: load[0], SimpleNamespace(in_flight=0), book)
+    assert run_gate(gate, b"Bearer sk-wrong")["status"] == 401
+    assert run_gate(gate, b"Bearer sk-g") == {"status": "app failed"}
+    assert book.state(key).in_flight == 0  # a failed request frees its slot
+    load[0] = 4
+    assert run_gate(gate, b"Bearer sk-g")["status"] == 503  # overloaded: not counted in rpm
+    load[0] = 0
+    assert run_gate(gate, b"Bearer sk-g") == {"status": "app failed"}
+    refused = run_gate(gate, b"Bearer sk-g")
+    assert refused["status"] == 429 and (b"retry-after", b"60") in refused["headers"]
