@@ -226,15 +226,15 @@ def test_one_key_flooding_does_not_delay_another(srv) -> None:
     # With fair share only the batch running when B arrives, and the few admitted while B's
     # request crosses the busy HTTP server, finish first: a few batches' worth at most.
     assert finished_meanwhile <= 3 * MAX_NUM_SEQS, (finished_meanwhile, waiting)
-    # In engine steps: a free slot within FLOOD_MAX_TOKENS steps and B's prefill one more, x3
-    # for B's trip through the HTTP server and the machine's noise (about 5 steps measured).
-    # Behind the flood it would wait waiting / MAX_NUM_SEQS batches of FLOOD_MAX_TOKENS steps
-    # each: >= 200 steps.
+    # In engine steps: a free slot within FLOOD_MAX_TOKENS steps and B's prefill one more, x6
+    # for B's own trip through the HTTP server (about 0.1-0.2 s here: 2 to 24 steps measured,
+    # as the step time varies with the machine's load). Behind the flood it would wait
+    # waiting / MAX_NUM_SEQS batches of FLOOD_MAX_TOKENS steps each: >= 200 steps.
     steps = ttft / step
     print(
         f"B: TTFT {ttft:.3f} s = {steps:.1f} steps of {step * 1000:.1f} ms; {finished_meanwhile} of A finished meanwhile"
     )
     behind_the_flood = waiting / MAX_NUM_SEQS * FLOOD_MAX_TOKENS
-    assert steps <= 3 * (FLOOD_MAX_TOKENS + 1) and steps < behind_the_flood / 4, (ttft, step, steps, waiting)
+    assert steps <= 6 * (FLOOD_MAX_TOKENS + 1) and steps < behind_the_flood / 3, (ttft, step, steps, waiting)
     assert key_metric(srv, "requests", "flood") == FLOOD
     assert key_metric(srv, "generation_tokens", "flood") == FLOOD * FLOOD_MAX_TOKENS
