@@ -213,3 +213,14 @@ def test_gate_order_and_release_on_failure() -> None:
     assert run_gate(gate, b"Bearer sk-g") == {"status": "app failed"}
     refused = run_gate(gate, b"Bearer sk-g")
     assert refused["status"] == 429 and (b"retry-after", b"60") in refused["headers"]
+
+
+@pytest.mark.parametrize("policy, requested, expected", [("priority", 0, 3), ("priority", 5, 5), ("fcfs", 0, 0)])
+def test_key_priority_is_the_most_urgent_a_request_may_be(policy: str, requested: int, expected: int) -> None:
+    from pagedllm.entrypoints.openai.serving_common import OpenAIServing
+
+    engine = SimpleNamespace(config=SimpleNamespace(scheduler_config=SimpleNamespace(policy=policy)))
+    serving = OpenAIServing(engine, None)  # type: ignore[arg-type]
+    ticket = QuotaBook().admit(ApiKey(b"k", "k", priority=3))
+    assert serving._priority(requested, ticket) == expected
+    assert serving._priority(requested, None) == requested  # no keys: the request's own
