@@ -58,6 +58,7 @@ class Request:
         cache_salt: str | None = None,
         pooling_params: PoolingParams | None = None,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
@@ -68,6 +69,7 @@ class Request:
         self.cache_salt = cache_salt
         self.pooling_params = pooling_params  # a pooling request: it ends when its prompt is computed
         self.lora_request = lora_request  # the adapter it runs with; None: the base model
+        self.tenant = tenant  # who sent it (an API key's name); the waiting queue serves tenants in turn
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.output_token_ids: list[int] = []
@@ -95,6 +97,7 @@ class Request:
             req.cache_salt,
             req.pooling_params,
             req.lora_request,
+            req.tenant,
         )
 
     @property

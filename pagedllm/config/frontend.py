@@ -28,7 +28,9 @@ class FrontendArgs:
     )
     api_key_file: str | None = option(
         None,
-        "file with one accepted API key per line (blank lines and lines starting with # ignored)",
+        "file with one accepted API key per line (blank lines and lines starting with # ignored), "
+        "optionally with per-key settings after it: 'KEY name=NAME rpm=N tpm=N max_concurrent=N priority=N' "
+        "(limits per minute / in flight; over one: 429 + Retry-After; see README)",
         default_help="none",
         metavar="FILE",
     )

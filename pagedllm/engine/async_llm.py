@@ -87,10 +87,12 @@ class AsyncLLM:
         cache_salt: str | None = None,
         strict_max_tokens: bool = True,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs for one request. Cancelling the consumer aborts the request."""
+        """Stream outputs for one request. Cancelling the consumer aborts the request. ``tenant``:
+        who sent it (an API key's name); the engine's waiting queue serves tenants in turn."""
         queue = await self.add_request(
-            request_id, prompt, sampling_params, priority, cache_salt, strict_max_tokens, lora_request
+            request_id, prompt, sampling_params, priority, cache_salt, strict_max_tokens, lora_request, tenant
         )
         finished = False
         try:
@@ -107,14 +109,21 @@ class AsyncLLM:
                 await self.abort(request_id)
 
     async def encode(
-        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """Embed one prompt: yields its one ``PoolingRequestOutput``. Cancelling the consumer
         aborts the request; a request the engine could not serve raises ValueError."""
         self._check_alive()
         if request_id in self._queues:
             raise ValueError(f"request id {request_id!r} is already in use")
-        request, text = self.input_processor.process_pooling(request_id, prompt, pooling_params, priority=priority)
+        request, text = self.input_processor.process_pooling(
+            request_id, prompt, pooling_params, priority=priority, tenant=tenant
+        )
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = queue
         self._ensure_output_task()
@@ -144,6 +153,7 @@ class AsyncLLM:
         cache_salt: str | None = None,
         strict_max_tokens: bool = True,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> asyncio.Queue:
         """Validate (raises ValueError), then queue the request in the engine."""
         self._check_alive()
@@ -158,6 +168,7 @@ class AsyncLLM:
             strict_max_tokens=strict_max_tokens,
             check_grammar=False,
             lora_request=lora_request,
+            tenant=tenant,
         )
         await self.check_structured_outputs(params)
         if request_id in self._queues:  # taken while the grammar compiled

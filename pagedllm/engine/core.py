@@ -14,6 +14,7 @@ from pagedllm.structured_output.compiler import GrammarCompiler
 from pagedllm.structured_output.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+CAPACITY_PROBE_TOKENS = 1024  # the capacity line also says how many sequences of this length fit
 
 _COMPILE_WAIT_S = 0.01  # idle wait for a grammar when compiling requests are all there is
 
@@ -49,10 +50,12 @@ class EngineCore:
         bs = self.config.cache_config.block_size
         usable = self.num_blocks - 1
         per_req = self.config.blocks_per_max_len_request()
+        kv_gib = usable * self.config.kv_bytes_per_block() / (1 << 30)
+        per_1k = -(-CAPACITY_PROBE_TOKENS // bs)
         return (
-            f"{usable} KV blocks of {bs} tokens = {usable * bs} tokens; "
-            f"{usable // per_req} requests of max_model_len={self.config.model_config.max_model_len} fit"
-            + self._swap_summary()
+            f"{usable} KV blocks of {bs} tokens = {usable * bs} tokens ({kv_gib:.3g} GiB); "
+            f"{usable // per_req} requests of max_model_len={self.config.model_config.max_model_len} fit "
+            f"({usable // per_1k} of {CAPACITY_PROBE_TOKENS} tokens)" + self._swap_summary()
         )
 
     def _swap_summary(self) -> str:

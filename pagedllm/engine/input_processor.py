@@ -49,6 +49,7 @@ class InputProcessor:
         strict_max_tokens: bool = False,
         check_grammar: bool = True,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Validate and build the core request. ``strict_max_tokens``: too-long max_tokens is an
         error (the server's behaviour) instead of being capped by max_model_len. ``check_grammar``:
@@ -75,6 +76,7 @@ class InputProcessor:
             priority,
             cache_salt,
             lora_request=lora_request,
+            tenant=tenant,
         )
         return request, text
 
@@ -101,6 +103,7 @@ class InputProcessor:
         params: PoolingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> tuple[EngineCoreRequest, str | None]:
         """Validate and build a pooling (embedding) request: the whole prompt, up to
         max_model_len tokens, is embedded; nothing is generated."""
@@ -118,6 +121,7 @@ class InputProcessor:
             priority,
             _cache_salt(prompt, None),
             self._finalize_pooling(params),
+            tenant=tenant,
         )
         return request, text
 

@@ -69,6 +69,8 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True):
     # A pooling request: the engine embeds the prompt and ends it (sampling_params is unused).
     pooling_params: PoolingParams | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    # Who sent it (the API key's name, never the key): the waiting queue serves tenants in turn.
+    tenant: str | None = None
 
 
 class LogprobsLists(msgspec.Struct, array_like=True):

@@ -28,6 +28,7 @@ async def beam_search(
     request_id: str,
     priority: int = 0,
     cache_salt: str | None = None,
+    tenant: str | None = None,
 ) -> AsyncIterator[RequestOutput]:
     """Search from one prompt; yields one finished output with its best ``sp.n`` beams (as
     ``engine.generate`` would, so the server's streams take it as they take any request's).
@@ -38,9 +39,10 @@ async def beam_search(
     eos = default_eos_token_id(engine.config, engine.tokenizer)
     search = BeamSearch([prompt_ids], params, eos, model_config.max_model_len, salts=[cache_salt])
     num_cached_tokens = None
+    who: dict[str, Any] = {"tenant": tenant} if tenant is not None else {}  # only when set, as the handlers pass it
     for step, step_prompts in enumerate(search.steps()):
         outputs = await _all_or_none(
-            _final(engine.generate(p, search.step_params, f"{request_id}-{step}-{i}", priority=priority))
+            _final(engine.generate(p, search.step_params, f"{request_id}-{step}-{i}", priority=priority, **who))
             for i, p in enumerate(step_prompts)
         )
         if num_cached_tokens is None:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, args)``, the app factory.
 
 It reads the server options, wires metrics, the API-key/overload gate (auth.py), the error
-mapping (errors.py) and the routers (routes/: completions, chat, invocations, tokenize, models,
+mapping (errors.py), the per-key quotas (quotas.py) and the routers (routes/: completions, chat, invocations, tokenize, models,
 system),
 and shuts the engine down when the app stops. Running it as a process (socket, uvicorn,
 signals, drain, the engine watchdog, exit codes) is ``server_process.py``.
@@ -21,6 +21,7 @@ import pagedllm
 from pagedllm.entrypoints.openai.auth import ServerGate
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
+from pagedllm.entrypoints.openai.quotas import QuotaBook
 from pagedllm.entrypoints.openai.routes import (
     chat,
     completions,
@@ -41,6 +42,7 @@ from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompleti
 from pagedllm.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
 from pagedllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from pagedllm.entrypoints.openai.serving_score import OpenAIServingScore
+from pagedllm.metrics.key_usage import KeyUsageMetrics
 from pagedllm.metrics.prometheus import PrometheusStatLogger
 
 ROUTERS = (
@@ -85,6 +87,7 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         max_load=max_load,
         engine_load=engine.get_num_unfinished_requests,
         counter=state,
+        quotas=_quota_book(options, state.registry, served.names[0]),
     )
     add_exception_handlers(app)
     for router in ROUTERS:
@@ -92,6 +95,13 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     if options.enable_lora_runtime_updates:
         app.include_router(lora.router)
     return app
+
+
+def _quota_book(options: ServerOptions, registry: Any, model_name: str) -> QuotaBook:
+    """The per-key quotas, counting each key's usage in ``registry`` (no keys: nothing to count)."""
+    if not options.api_keys:
+        return QuotaBook()
+    return QuotaBook(KeyUsageMetrics(registry, model_name, [key.name for key in options.api_keys]))
 
 
 def _metrics_registry(engine: EngineClient, model_name: str) -> Any:

@@ -47,12 +47,19 @@ class EngineClient(Protocol):
         cache_salt: str | None = None,
         strict_max_tokens: bool = True,
         lora_request: LoRARequest | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; ValueError for input it rejects; closing it aborts."""
+        """Stream one request's outputs; ValueError for input it rejects; closing it aborts.
+        ``tenant``: the API key's name (never the key), for the engine's fair share."""
         ...
 
     def encode(
-        self, prompt: PromptType, pooling_params: PoolingParams, request_id: str, priority: int = 0
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams,
+        request_id: str,
+        priority: int = 0,
+        tenant: str | None = None,
     ) -> AsyncGenerator[PoolingRequestOutput, None]:
         """Embed one prompt (a pooling engine): yields its one output; ValueError for bad input."""
         ...

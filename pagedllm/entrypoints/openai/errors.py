@@ -18,6 +18,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedllm.engine.core_client import EngineDeadError
+from pagedllm.entrypoints.openai.quotas import QuotaExceeded
 
 logger = logging.getLogger(__name__)
 
@@ -27,19 +28,22 @@ _TYPES = {
     404: "NotFoundError",
     408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    429: "rate_limit_exceeded",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
 _TYPE_NAMES = {"str", "int", "float", "bool", "list", "dict", "none"}  # pydantic's union-branch loc parts
 
 
-def error_body(message: str, status: int = 400, param: str | None = None, err_type: str | None = None) -> dict:
+def error_body(
+    message: str, status: int = 400, param: str | None = None, err_type: str | None = None, code: str | None = None
+) -> dict:
     return {
         "error": {
             "message": message,
             "type": err_type or _TYPES.get(status, HTTPStatus(status).phrase),
             "param": param,
-            "code": status,
+            "code": code or status,
         }
     }
 
@@ -50,9 +54,15 @@ def error_response(
     param: str | None = None,
     err_type: str | None = None,
     headers: dict[str, str] | None = None,
+    code: str | None = None,
 ) -> JSONResponse:
     """A JSONResponse carrying an OpenAI-style error body; the message says what to change."""
-    return JSONResponse(error_body(message, status, param, err_type), status_code=status, headers=headers)
+    return JSONResponse(error_body(message, status, param, err_type, code), status_code=status, headers=headers)
+
+
+def rate_limit_response(message: str, retry_after: int) -> JSONResponse:
+    """A 429 as OpenAI sends it (code ``rate_limit_exceeded``), with ``Retry-After`` in seconds."""
+    return error_response(message, 429, headers={"Retry-After": str(retry_after)}, code="rate_limit_exceeded")
 
 
 class RequestParamError(ValueError):
@@ -151,6 +161,7 @@ def add_exception_handlers(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineDeadError, _engine_dead)
+    app.add_exception_handler(QuotaExceeded, _quota_exceeded)
     app.add_exception_handler(Exception, _internal_error)
 
 
@@ -171,6 +182,11 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
         405: f"{request.url.path} does not accept {request.method}",
     }.get(exc.status_code, str(exc.detail))
     return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
+
+
+async def _quota_exceeded(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, QuotaExceeded)
+    return rate_limit_response(exc.message, exc.retry_after)
 
 
 async def _engine_dead(request: Request, exc: Exception) -> JSONResponse:

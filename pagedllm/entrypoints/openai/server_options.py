@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass, field
 
 from pagedllm.entrypoints.chat_utils import load_chat_template
-from pagedllm.entrypoints.openai.auth import load_api_keys
+from pagedllm.entrypoints.openai.api_keys import ApiKey, load_api_keys
 from pagedllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
 
@@ -36,7 +36,7 @@ class ServerOptions:
     """Server flags, validated (ValueError with a message that says what to change)."""
 
     served_model_names: list[str]
-    api_keys: list[str]
+    api_keys: list[ApiKey]  # with their names and limits (api_keys.py)
     chat_template: str | None  # the template itself (--chat-template read), None: the tokenizer's
     max_waiting_requests: int
     tool_call_parser: str | None = None  # set: tool_choice "auto" parses calls in this format

@@ -15,6 +15,7 @@ import time
 from typing import Any
 
 import pagedllm
+from pagedllm.entrypoints.openai.api_keys import describe_keys
 from pagedllm.entrypoints.openai.api_server import build_app
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.server_options import ServerOptions
@@ -205,6 +206,8 @@ def _print_startup(
         f"{'required' if options.api_keys else 'not required'}; metrics prefix vllm: at /metrics",
         f"listening on {url} (bound to {args.host}); OpenAI base URL: {url}/v1",
     ]
+    if options.api_keys:
+        lines.insert(-1, describe_keys(options.api_keys, engine.config.scheduler_config.policy))
     print("\n".join(lines), flush=True)
 
 

@@ -56,9 +56,9 @@ class OpenAIServingChat(OpenAIServing):
             self.check_auto_tools(request)
             prompt_text, prompt_ids = self.render(request)
             await self.check_constraint(params, request.constraint()[1])
+            stream = self.start([{"prompt_token_ids": prompt_ids, "prompt": prompt_text}], params, request, raw_request)
         except ValueError as exc:
             return value_error_response(exc, request, self.prompt_param)
-        stream = self.start([{"prompt_token_ids": prompt_ids, "prompt": prompt_text}], params, request)
         shape = _ChatShape(request, self.response_id(request), self.tool_call_parser, self.as_ids(request))
         return await self.respond(stream, raw_request, request, bool(request.stream), shape.events, shape.body)
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from pagedllm.beam_search import beam_search_params, check_beam_width
 from pagedllm.engine.core_client import EngineDeadError
 from pagedllm.entrypoints.beam_search_driver import beam_search
+from pagedllm.entrypoints.openai.auth import quota_ticket
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import (
     RequestParamError,
@@ -32,8 +33,10 @@ from pagedllm.entrypoints.openai.errors import (
     server_error_response,
     value_error_response,
 )
+from pagedllm.entrypoints.openai.quotas import Ticket, reserve_prompts
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput
+from pagedllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -310,12 +313,21 @@ class OpenAIServing:
         except ValueError as exc:
             raise RequestParamError(str(exc), "n") from None
 
-    def start(self, prompts: list[Any], params: Any, request: Any) -> OutputStream:
+    def start(self, prompts: list[Any], params: Any, request: Any, raw_request: Request | None = None) -> OutputStream:
         """Run the request: one engine request per prompt, or with ``use_beam_search`` one beam
-        search per prompt (its steps' requests are the search's own)."""
+        search per prompt (its steps' requests are the search's own). With API keys on, the
+        key's quota ticket reserves its tokens (QuotaExceeded: a 429) and meters what each prompt
+        uses; the engine gets the key's name as the tenant, and its priority (see ``_priority``)."""
         request_id = random_id(self.id_prefix)
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
-        options: dict[str, Any] = dict(priority=request.priority, cache_salt=request.cache_salt)
+        ticket = quota_ticket(raw_request.state) if raw_request is not None else None
+        options: dict[str, Any] = dict(priority=self._priority(request.priority, ticket), cache_salt=request.cache_salt)
+        if ticket is not None:
+            model_config = self.engine.config.model_config
+            prompts, charges = reserve_prompts(
+                ticket, prompts, params, self.engine.tokenizer, model_config.max_model_len
+            )
+            options["tenant"] = ticket.key.name
         lora = self.models.lora_request(request.model)
         if lora is not None:
             if params.use_beam_search:
@@ -324,13 +336,26 @@ class OpenAIServing:
         if params.use_beam_search:
             search = beam_search_params(params, self.engine.config.model_config.max_model_len, params.temperature)
             searches = [beam_search(self.engine, p, params, search, rid, **options) for p, rid in zip(prompts, ids)]
+            if ticket is not None:
+                searches = [ticket.metered(c, s, delta=False) for c, s in zip(charges, searches)]
             return OutputStream(searches, final_only=True)
         generators = [
             self.engine.generate(p, params, rid, strict_max_tokens=True, **options) for p, rid in zip(prompts, ids)
         ]
         if lora is not None:
             generators = [self.models.tracked(lora.lora_name, g) for g in generators]
+        if ticket is not None:
+            delta = params.output_kind == RequestOutputKind.DELTA
+            generators = [ticket.metered(c, g, delta) for c, g in zip(charges, generators)]
         return OutputStream(generators)
+
+    def _priority(self, requested: int, ticket: Ticket | None) -> int:
+        """Under the priority policy a key's ``priority`` is the most urgent its requests may be
+        (lower runs first): a request may ask for less urgency, never for more. Under FCFS it is
+        ignored (the start-up log says so)."""
+        if ticket is None or self.engine.config.scheduler_config.policy != "priority":
+            return requested
+        return max(requested, ticket.key.priority)
 
     def failure_response(self, exc: Exception, request: BaseModel) -> Response:
         """A request that failed: the client hung up (499), bad input (400, OpenAI's error body),

@@ -53,9 +53,9 @@ class OpenAIServingCompletion(OpenAIServing):
             params = request.to_sampling_params()
             prompts = [self._engine_prompt(p, request) for p in request.prompts()]
             await self.check_constraint(params, request.constraint()[1])
+            stream = self.start(prompts, params, request, raw_request)
         except ValueError as exc:
             return value_error_response(exc, request, self.prompt_param)
-        stream = self.start(prompts, params, request)
         shape = _CompletionShape(self.engine.tokenizer, request, self.response_id(request), self.as_ids(request))
         return await self.respond(stream, raw_request, request, bool(request.stream), shape.events, shape.body)
 

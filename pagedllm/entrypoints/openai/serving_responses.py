@@ -104,9 +104,11 @@ class OpenAIServingResponses(OpenAIServing):
             self.chat.check_auto_tools(chat_request)
             prompt_text, prompt_ids = self.chat.render(chat_request)
             await self.check_constraint(params, chat_request.constraint()[1])
+            stream = self.start(
+                [{"prompt_token_ids": prompt_ids, "prompt": prompt_text}], params, chat_request, raw_request
+            )
         except ValueError as exc:
             return self.bad_request(exc, chat_request)
-        stream = self.start([{"prompt_token_ids": prompt_ids, "prompt": prompt_text}], params, chat_request)
         extractor = tool_call_extractor(chat_request, self.chat.tool_call_parser)
         shape = _ResponseShape(request, extractor, self._keep(request, conversation))
         return await self.respond(stream, raw_request, chat_request, bool(request.stream), shape.events, shape.body)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedllm.entrypoints.openai.auth import key_matches, load_api_keys
+from pagedllm.entrypoints.openai.api_keys import KeyRing, load_api_keys
 
 from .conftest import RemoteServer, assert_openai_error
 
@@ -143,10 +143,11 @@ def test_api_keys(srv):
 
 
 def test_key_helpers(tmp_path):
-    assert key_matches("a", [b"b", b"a"]) and not key_matches("a", [b"ab"]) and not key_matches("", [])
+    ring = KeyRing(load_api_keys(["b", "a"], None))
+    assert ring.match("a") is ring.keys[1] and ring.match("ab") is None and KeyRing([]).match("") is None
     path = tmp_path / "keys"
     path.write_text("x\n  y  \n#z\n")
-    assert load_api_keys(["w"], str(path)) == ["w", "x", "y"]
+    assert [k.secret for k in load_api_keys(["w"], str(path))] == [b"w", b"x", b"y"]
     with pytest.raises(ValueError, match="cannot read"):
         load_api_keys(None, str(tmp_path / "missing"))
 
