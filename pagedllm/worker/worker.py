@@ -64,6 +64,28 @@ def measure_memory(device: torch.device, run_profile: Callable[[], None]) -> Mem
     return MemoryProfile(total=total, used_after_load=total - free, activation_peak=peak)
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers as they are held (packed or quantized),
+    each storage counted once (tied embeddings share one)."""
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def estimate_activation_bytes(config: EngineConfig, dtype: torch.dtype) -> int:
+    """The largest step's activations, estimated from the shapes (CPU has no allocator peak to
+    read): per token of ``max_num_batched_tokens`` a decoder layer's live tensors (hidden and
+    residual, q/k/v, attention output, gate/up and the activation), plus float32 logits and
+    their probabilities for ``max_num_seqs`` sampled rows."""
+    arch = config.model_config.arch
+    per_token = 2 * arch.hidden_size + 2 * arch.q_size + 2 * arch.kv_size + 3 * arch.intermediate_size
+    tokens = config.scheduler_config.max_num_batched_tokens
+    rows = min(config.scheduler_config.max_num_seqs, tokens)
+    return tokens * per_token * dtype.itemsize + rows * arch.vocab_size * 4 * 2
+
+
 class Worker:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -158,6 +180,17 @@ class Worker:
             return budget
         memory = self.config.cache_config.kv_cache_memory_bytes
         assert memory is not None, "CacheConfig resolves the CPU KV pool's size (config/cache.py)"
+        logger.info(
+            "memory plan: weights %.3g GiB%s, activations of the largest step about %.3g GiB (estimated), "
+            "KV cache %.3g GiB (kv_cache_memory)",
+            weight_bytes(self.model_runner.model) / (1 << 30),
+            ""
+            if self.config.parallel_config.tensor_parallel_size * self.config.parallel_config.pipeline_parallel_size
+            == 1
+            else " on this rank",
+            estimate_activation_bytes(self.config, self.model_runner.dtype) / (1 << 30),
+            memory / (1 << 30),
+        )
         return memory
 
     @torch.inference_mode()

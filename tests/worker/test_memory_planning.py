@@ -159,3 +159,37 @@ def test_cuda_start_up_error_names_the_fix(llama_model_dir):
     share = max((total - free) / total / 2, 1e-4)  # less than is already in use: nothing is left
     with pytest.raises(ValueError, match="--gpu-memory-utilization"):
         LLM(str(llama_model_dir), device="cuda", gpu_memory_utilization=share)
+
+
+def test_weight_bytes_counts_each_storage_once():
+    from pagedllm.worker.worker import weight_bytes
+
+    model = torch.nn.Module()
+    model.embed = torch.nn.Embedding(100, 8)
+    model.head = torch.nn.Linear(8, 100, bias=False)
+    model.head.weight = model.embed.weight  # tied: one storage
+    model.norm = torch.nn.LayerNorm(8)
+    model.register_buffer("cache", torch.zeros(10, dtype=torch.float16))
+    assert weight_bytes(model) == 100 * 8 * 4 + 2 * 8 * 4 + 10 * 2
+
+
+def test_cpu_start_up_logs_the_memory_plan(llama_model_dir, caplog):
+    """The CPU start-up log gives the weights' bytes, the estimated activation peak and the KV
+    pool (the engine's capacity line then gives blocks, tokens and sequences)."""
+    from pagedllm.worker.worker import estimate_activation_bytes, weight_bytes
+
+    config = EngineArgs(model=str(llama_model_dir), dtype="float32", max_model_len=128).create_engine_config()
+    with caplog.at_level("INFO", logger="pagedllm.worker.worker"):
+        worker = Worker(config)
+        worker.load_model()
+        worker.determine_num_blocks()
+    weights = weight_bytes(worker.model_runner.model)
+    model = worker.model_runner.model
+    held = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+    assert 0 < weights <= held
+    activations = estimate_activation_bytes(config, torch.float32)
+    arch, sched = config.model_config.arch, config.scheduler_config
+    assert activations > sched.max_num_batched_tokens * arch.hidden_size * 4  # at least the hidden states
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("memory plan"))
+    assert f"weights {weights / GiB:.3g} GiB" in line and f"about {activations / GiB:.3g} GiB" in line
+    assert "KV cache" in line
