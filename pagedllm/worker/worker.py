@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -183,7 +184,7 @@ class Worker:
         logger.info(
             "memory plan: weights %.3g GiB%s, activations of the largest step about %.3g GiB (estimated), "
             "KV cache %.3g GiB (kv_cache_memory)",
-            weight_bytes(self.model_runner.model) / (1 << 30),
+            weight_bytes(cast(torch.nn.Module, self.model_runner.model)) / (1 << 30),
             ""
             if self.config.parallel_config.tensor_parallel_size * self.config.parallel_config.pipeline_parallel_size
             == 1
