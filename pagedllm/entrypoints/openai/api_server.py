@@ -19,6 +19,7 @@ from fastapi import FastAPI
 
 import pagedllm
 from pagedllm import envs
+from pagedllm.entrypoints.openai import openapi
 from pagedllm.entrypoints.openai.auth import ServerGate
 from pagedllm.entrypoints.openai.dashboard import DashboardStats
 from pagedllm.entrypoints.openai.engine_client import EngineClient
@@ -94,12 +95,11 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     )
     app.add_middleware(ErrorRecorder, errors=state.errors)  # outermost: it sees the gate's 401s and 503s
     add_exception_handlers(app)
-    for router in ROUTERS:
+    routers = [*ROUTERS, *([debug.router] if envs.debug_endpoints() else [])]
+    routers += [lora.router] if options.enable_lora_runtime_updates else []
+    for router in routers:
         app.include_router(router)
-    if envs.debug_endpoints():
-        app.include_router(debug.router)
-    if options.enable_lora_runtime_updates:
-        app.include_router(lora.router)
+    openapi.install(app, routers)
     return app
 
 

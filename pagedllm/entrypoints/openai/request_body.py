@@ -163,10 +163,16 @@ def parse_body(model: type[M], body: dict) -> M:
         raise validation_error(exc.errors(include_url=False), body) from None
 
 
+class _TypedBody:
+    """The dependency ``typed_body`` makes; ``body_model`` is what openapi.py documents."""
+
+    def __init__(self, model: type[BaseModel]) -> None:
+        self.body_model = model
+
+    async def __call__(self, raw_request: Request) -> Any:
+        return parse_body(self.body_model, await json_object_body(raw_request))
+
+
 def typed_body(model: type[M]) -> Any:
     """``request: Annotated[ChatCompletionRequest, typed_body(ChatCompletionRequest)]`` in a route."""
-
-    async def dependency(raw_request: Request) -> M:
-        return parse_body(model, await json_object_body(raw_request))
-
-    return Depends(dependency)
+    return Depends(_TypedBody(model))
