@@ -10,9 +10,8 @@ model's JSON schema as the request body, and the models' shared definitions go t
 
 from __future__ import annotations
 
-from typing import Any
-
 from collections.abc import Iterable
+from typing import Any
 
 from fastapi import APIRouter, FastAPI
 from fastapi.openapi.utils import get_openapi
