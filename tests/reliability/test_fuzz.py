@@ -15,24 +15,33 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server_checks import assert_idle_and_intact, engine_core_pid, rss_bytes
+from tests.entrypoints.openai.conftest import RemoteServer
+from tests.server_checks import DEBUG_ENV, assert_idle_and_intact, engine_core_pid, rss_bytes
 
-from .conftest import SOAK
+from .conftest import SERVER_ARGS, SOAK
 
 schemathesis = pytest.importorskip("schemathesis")
 requests = pytest.importorskip("requests")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis.errors import Unsatisfiable  # noqa: E402
 
-EXAMPLES = 100 if SOAK else 6  # per endpoint and mode (valid / invalid data)
+EXAMPLES = 100 if SOAK else 10  # per endpoint and mode (valid / invalid data)
 CAPS = {"max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8, "n": 2, "best_of": 2}
 CAPS |= {"logprobs": 5, "top_logprobs": 5, "prompt_logprobs": 5, "beam_width": 2}
 MiB = 1024 * 1024
 MAX_RSS_GROWTH = 128 * MiB
 
 
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    """A short context (96 tokens): a valid body without max_tokens generates up to it."""
+    with RemoteServer(tiny_model_dir("llama"), [*SERVER_ARGS, "--max-model-len", "96"], env=DEBUG_ENV) as srv:
+        yield srv
+
+
 def _bounded(body: Any, positive: bool) -> Any:
-    """A valid body names the served model and asks for little generation."""
+    """A valid body names the served model and asks for little generation (the server's short
+    context bounds the requests that name no size)."""
     if not isinstance(body, dict):
         return body
     for key, cap in CAPS.items():
