@@ -27,6 +27,7 @@ _TYPES = {
     404: "NotFoundError",
     408: "RequestTimeoutError",
     413: "RequestTooLargeError",
+    499: "ClientClosedRequest",  # nginx's code: the client hung up (no one reads this answer)
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -37,7 +38,7 @@ def error_body(message: str, status: int = 400, param: str | None = None, err_ty
     return {
         "error": {
             "message": message,
-            "type": err_type or _TYPES.get(status, HTTPStatus(status).phrase),
+            "type": err_type or _TYPES.get(status) or HTTPStatus(status).phrase,
             "param": param,
             "code": status,
         }

@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, validation_error
 from pagedllm.entrypoints.openai.protocol_base import INT64_MAX, INT64_MIN
@@ -63,6 +64,8 @@ async def read_body(raw_request: Request, limit: int, timeout: float | None = No
     try:
         async with asyncio.timeout(timeout):
             return await _stream_body(raw_request, limit)
+    except ClientDisconnect:  # the client hung up first (under load, before its body was read)
+        raise OpenAIError("the client closed the connection before its request body arrived", 499) from None
     except TimeoutError:
         raise OpenAIError(
             f"the request body did not all arrive within {timeout:g} s (this server's --body-read-timeout); "

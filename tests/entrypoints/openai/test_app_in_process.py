@@ -231,3 +231,34 @@ def test_openapi_documents_every_request_body(tokenizer):
     assert len(invocations["anyOf"]) == 2  # a chat or a completion request
     refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(schema)))
     assert refs and refs <= set(components), refs - set(components)
+
+
+def test_a_client_gone_before_its_body_is_read_is_a_499_not_a_500(tokenizer):
+    """Under load a client may hang up before the server reads its body: that is the client's
+    doing (499, as a hang-up later on), not an unhandled error logged with a traceback as a 500."""
+    app = build_app(RecordingEngine(tokenizer), Namespace(served_model_name=["m"]))
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert app.state.server_state.errors.counts == {499: 1}
