@@ -66,3 +66,17 @@ def engine_core_pid(server_pid: int) -> int:
             if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 return int(pid)
     raise AssertionError(f"server {server_pid} has no engine core process")
+
+
+def server_error_counts(url: str, headers: dict[str, str] | None = None) -> dict[int, int]:
+    """The error responses the server has sent since it started, by status (GET /dashboard/stats):
+    these include answers no client read (it had hung up), which a client-side count misses."""
+    counts = httpx.get(f"{url}/dashboard/stats", headers=headers, timeout=10).json()["errors"]["counts"]
+    return {int(status): n for status, n in counts.items()}
+
+
+def assert_no_server_errors(url: str, headers: dict[str, str] | None = None) -> dict[int, int]:
+    """No 5xx was ever sent (read on the server's side); returns the error counts."""
+    counts = server_error_counts(url, headers)
+    assert not {s: n for s, n in counts.items() if s >= 500}, f"the server sent 5xx answers: {counts}"
+    return counts

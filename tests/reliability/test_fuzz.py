@@ -16,7 +16,13 @@ import httpx
 import pytest
 
 from tests.entrypoints.openai.conftest import RemoteServer
-from tests.server_checks import DEBUG_ENV, assert_idle_and_intact, engine_core_pid, rss_bytes
+from tests.server_checks import (
+    DEBUG_ENV,
+    assert_idle_and_intact,
+    assert_no_server_errors,
+    engine_core_pid,
+    rss_bytes,
+)
 
 from .conftest import SERVER_ARGS, SOAK
 
@@ -110,6 +116,7 @@ def test_fuzz_every_endpoint(server):
                 _fuzz(result.ok(), mode, server.url, session, found, statuses)
     assert not found, "\n".join(found[:20])
     assert_idle_and_intact(server.url)
+    assert_no_server_errors(server.url)
     rss_after = rss_bytes(server.proc.pid), rss_bytes(engine_core_pid(server.proc.pid))
     growth = [round((a - b) / MiB, 1) for a, b in zip(rss_after, rss_before)]
     print("fuzz:", json.dumps({"requests": sum(statuses.values()), "statuses": statuses, "rss_growth_mib": growth}))

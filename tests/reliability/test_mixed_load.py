@@ -11,7 +11,7 @@ import json
 import httpx
 
 from tests.entrypoints.openai.conftest import assert_openai_error
-from tests.server_checks import assert_idle_and_intact, engine_core_pid, rss_bytes
+from tests.server_checks import assert_idle_and_intact, assert_no_server_errors, engine_core_pid, rss_bytes
 
 from .conftest import SOAK
 from .workload import check, make_jobs, now, run_jobs, summarize
@@ -41,8 +41,10 @@ def test_mixed_load_leaves_the_server_clean(server):
     problems = [p for o in outcomes for p in check(o)]
     assert not problems, "\n".join(problems[:20])
     assert_idle_and_intact(server.url)
+    server_side = assert_no_server_errors(server.url)  # hung-up clients' answers included
     front_after, engine_after = _rss(server)
     summary = summarize(outcomes, elapsed) | {
+        "server_side_error_counts": server_side,
         "front_end_rss_growth_mib": round((front_after - front_before) / MiB, 1),
         "engine_rss_growth_mib": round((engine_after - engine_before) / MiB, 1),
     }

@@ -16,6 +16,7 @@ from typing import Any
 MAX_RECENT_ERRORS = 50
 MAX_MESSAGE_CHARS = 300
 _MAX_BODY_BYTES = 16 * 1024  # an error body is small; more is not parsed
+_NO_BODY = {499: "the client closed the connection before the answer"}
 
 
 @dataclass(frozen=True)
@@ -81,4 +82,5 @@ class ErrorRecorder:
             self.errors.add(scope["method"], scope["path"], 500, f"internal server error ({type(exc).__name__})")
             raise
         if status >= 400:
-            self.errors.add(scope["method"], scope["path"], status, error_message(bytes(body)))
+            message = error_message(bytes(body)) or _NO_BODY.get(status, "(no body)")
+            self.errors.add(scope["method"], scope["path"], status, message)
