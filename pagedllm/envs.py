@@ -57,6 +57,11 @@ ENV_VARS: dict[str, EnvVar] = {
             "",
             "pipeline parallelism: decoder layers per stage, e.g. 2,1 (default: an even split)",
         ),
+        EnvVar(
+            "PAGEDLLM_DEBUG_ENDPOINTS",
+            "0",
+            "1 serves GET /debug/integrity (the KV block pool's integrity check, for tests); never in production",
+        ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(
             "TORCH_EXTENSIONS_DIR",
@@ -82,6 +87,11 @@ def get(name: str) -> str:
 def enabled(name: str) -> bool:
     """A switch that is on unless set to 0 (``PAGEDLLM_CPU_KERNELS``, ...)."""
     return get(name) != "0"
+
+
+def debug_endpoints() -> bool:
+    """``PAGEDLLM_DEBUG_ENDPOINTS=1``: the server adds its test-only /debug routes."""
+    return get("PAGEDLLM_DEBUG_ENDPOINTS") == "1"
 
 
 def device_override() -> str | None:

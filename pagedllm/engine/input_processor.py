@@ -223,6 +223,13 @@ class InputProcessor:
         room = self.max_model_len - prompt_len
         if params.max_tokens is None:
             params.max_tokens = room
+            # Set after SamplingParams' own checks: a min_tokens past it would reach the engine
+            # process unchecked, fail its message decoding and stop the engine for everyone.
+            if params.min_tokens > room:
+                raise ValueError(
+                    f"min_tokens ({params.min_tokens}) is more than the {room} tokens this prompt leaves room for "
+                    f"(max_model_len {self.max_model_len} - {prompt_len} prompt tokens); lower min_tokens"
+                )
         elif params.max_tokens > room and strict:
             raise ValueError(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you "

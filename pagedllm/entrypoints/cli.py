@@ -26,6 +26,8 @@ endpoints (OpenAI-compatible; every request field is listed in docs/openai_api.m
   GET  /metrics   Prometheus text format, vLLM's metric names and labels (docs/metrics.md:
                   vllm:num_requests_running, vllm:kv_cache_usage_perc, vllm:prompt_tokens_total,
                   vllm:time_to_first_token_seconds, ...), labelled model_name and engine
+  GET  /dashboard a live dashboard page in the browser (it polls GET /dashboard/stats, which needs
+                  the API key when one is set)
 
 exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
   1 if the engine process died, 2 on bad flags or start-up errors.

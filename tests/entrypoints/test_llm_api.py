@@ -71,6 +71,16 @@ def test_max_tokens_none_runs_to_max_model_len(llm):
     assert params.max_tokens is None and params.all_stop_token_ids == set()
 
 
+def test_min_tokens_past_the_room_left_is_a_value_error(llm):
+    """max_tokens=None becomes the room the prompt leaves; a min_tokens beyond it is the caller's
+    error (it used to reach the engine process unchecked and stop it)."""
+    params = SamplingParams(max_tokens=None, min_tokens=MAX_MODEL_LEN)
+    with pytest.raises(ValueError, match=r"min_tokens \(128\) is more than the 118 tokens this prompt leaves room for"):
+        llm.generate([[5] * 10], params, use_tqdm=False)
+    ok = llm.generate([[5] * 10], SamplingParams(max_tokens=None, min_tokens=118, ignore_eos=True), use_tqdm=False)
+    assert len(ok[0].outputs[0].token_ids) == 118
+
+
 def test_progress_bar_only_with_use_tqdm(llm, capsys):
     llm.generate(TEXTS, GREEDY, use_tqdm=False)
     captured = capsys.readouterr()

@@ -1,9 +1,9 @@
 """The OpenAI-compatible HTTP app: ``build_app(engine, args)``, the app factory.
 
 It reads the server options, wires metrics, the API-key/overload gate (auth.py), the error
-mapping (errors.py), the per-key quotas (quotas.py) and the routers (routes/: completions, chat, invocations, tokenize, models,
-system),
-and shuts the engine down when the app stops. Running it as a process (socket, uvicorn,
+mapping (errors.py), the per-key quotas (quotas.py), the recent-error log the dashboard shows
+(error_log.py) and the routers (routes/: completions, chat, invocations, tokenize, models, system,
+dashboard; debug only with PAGEDLLM_DEBUG_ENDPOINTS=1), and shuts the engine down when the app stops. Running it as a process (socket, uvicorn,
 signals, drain, the engine watchdog, exit codes) is ``server_process.py``.
 """
 
@@ -18,13 +18,19 @@ from typing import Any
 from fastapi import FastAPI
 
 import pagedllm
+from pagedllm import envs
+from pagedllm.entrypoints.openai import openapi
 from pagedllm.entrypoints.openai.auth import ServerGate
+from pagedllm.entrypoints.openai.dashboard import DashboardStats
 from pagedllm.entrypoints.openai.engine_client import EngineClient
+from pagedllm.entrypoints.openai.error_log import ErrorRecorder
 from pagedllm.entrypoints.openai.errors import add_exception_handlers
 from pagedllm.entrypoints.openai.quotas import QuotaBook
 from pagedllm.entrypoints.openai.routes import (
     chat,
     completions,
+    dashboard,
+    debug,
     embeddings,
     invocations,
     lora,
@@ -55,6 +61,7 @@ ROUTERS = (
     tokenize.router,
     models.router,
     system.router,
+    dashboard.router,
 )
 
 
@@ -67,9 +74,9 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
     )
     for name, path in options.lora_modules:
         lora.add_lora_module(engine, served, name, path)
-    state = ServerState(
-        engine, options, served, _metrics_registry(engine, served.names[0]), _load_handlers(engine, options, served)
-    )
+    registry = _metrics_registry(engine, served.names[0])
+    state = ServerState(engine, options, served, registry, _load_handlers(engine, options, served))
+    state.dashboard = DashboardStats(registry, state.errors, served.names[0])
     docs = not options.disable_fastapi_docs
     app = FastAPI(
         title="pagedllm",
@@ -89,11 +96,13 @@ def build_app(engine: EngineClient, args: argparse.Namespace) -> FastAPI:
         counter=state,
         quotas=_quota_book(options, state.registry, served.names[0]),
     )
+    app.add_middleware(ErrorRecorder, errors=state.errors)  # outermost: it sees the gate's 401s and 503s
     add_exception_handlers(app)
-    for router in ROUTERS:
+    routers = [*ROUTERS, *([debug.router] if envs.debug_endpoints() else [])]
+    routers += [lora.router] if options.enable_lora_runtime_updates else []
+    for router in routers:
         app.include_router(router)
-    if options.enable_lora_runtime_updates:
-        app.include_router(lora.router)
+    openapi.install(app, routers)
     return app
 
 

@@ -27,6 +27,8 @@ PROTECTED_PREFIXES = (
     "/docs",
     "/redoc",
     "/openapi",
+    "/dashboard/",  # the stats the page polls (the page itself holds no data)
+    "/debug/",
 )
 # Requests that run the model: admitted under the load limit (embeddings and scores too).
 GENERATION_PATHS = (

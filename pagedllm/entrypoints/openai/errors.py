@@ -29,6 +29,7 @@ _TYPES = {
     408: "RequestTimeoutError",
     413: "RequestTooLargeError",
     429: "rate_limit_exceeded",
+    499: "ClientClosedRequest",  # nginx's code: the client hung up (no one reads this answer)
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -41,7 +42,7 @@ def error_body(
     return {
         "error": {
             "message": message,
-            "type": err_type or _TYPES.get(status, HTTPStatus(status).phrase),
+            "type": err_type or _TYPES.get(status) or HTTPStatus(status).phrase,
             "param": param,
             "code": code or status,
         }

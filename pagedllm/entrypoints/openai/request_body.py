@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from fastapi import Depends, Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from pagedllm.entrypoints.openai.errors import OpenAIError, validation_error
 from pagedllm.entrypoints.openai.protocol_base import INT64_MAX, INT64_MIN
@@ -63,6 +64,8 @@ async def read_body(raw_request: Request, limit: int, timeout: float | None = No
     try:
         async with asyncio.timeout(timeout):
             return await _stream_body(raw_request, limit)
+    except ClientDisconnect:  # the client hung up first (under load, before its body was read)
+        raise OpenAIError("the client closed the connection before its request body arrived", 499) from None
     except TimeoutError:
         raise OpenAIError(
             f"the request body did not all arrive within {timeout:g} s (this server's --body-read-timeout); "
@@ -163,10 +166,16 @@ def parse_body(model: type[M], body: dict) -> M:
         raise validation_error(exc.errors(include_url=False), body) from None
 
 
+class _TypedBody:
+    """The dependency ``typed_body`` makes; ``body_model`` is what openapi.py documents."""
+
+    def __init__(self, model: type[BaseModel]) -> None:
+        self.body_model = model
+
+    async def __call__(self, raw_request: Request) -> Any:
+        return parse_body(self.body_model, await json_object_body(raw_request))
+
+
 def typed_body(model: type[M]) -> Any:
     """``request: Annotated[ChatCompletionRequest, typed_body(ChatCompletionRequest)]`` in a route."""
-
-    async def dependency(raw_request: Request) -> M:
-        return parse_body(model, await json_object_body(raw_request))
-
-    return Depends(dependency)
+    return Depends(_TypedBody(model))

@@ -9,11 +9,13 @@ from typing import TYPE_CHECKING, Annotated, Any
 from fastapi import Depends, Request
 
 from pagedllm.entrypoints.openai.engine_client import EngineClient
+from pagedllm.entrypoints.openai.error_log import RecentErrors
 from pagedllm.entrypoints.openai.errors import OpenAIError
 from pagedllm.entrypoints.openai.served_models import ServedModels
 from pagedllm.entrypoints.openai.server_options import ServerOptions
 
 if TYPE_CHECKING:
+    from pagedllm.entrypoints.openai.dashboard import DashboardStats
     from pagedllm.entrypoints.openai.serving_chat import OpenAIServingChat
     from pagedllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 
@@ -29,6 +31,8 @@ class ServerState:
     exit_code: int = 0
     engine_stopped: bool = False  # shut down on purpose: not a death
     in_flight: int = 0  # generation requests inside the gate (auth.ServerGate keeps the count)
+    errors: RecentErrors = field(default_factory=RecentErrors)  # the last 4xx/5xx (error_log.ErrorRecorder)
+    dashboard: DashboardStats | None = None  # /dashboard/stats (set by build_app)
 
     def handler(self, kind: str) -> Any:
         if kind not in self.handlers:

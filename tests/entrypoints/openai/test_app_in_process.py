@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
+import re
 from argparse import Namespace
 from types import SimpleNamespace
 
@@ -210,3 +212,53 @@ def test_a_batch_is_held_to_half_the_admission_limit(tokenizer):
         engine.get_num_unfinished_requests = lambda: 4  # an allowed batch of 4 is in the engine
         assert client.post("/v1/completions", json={"prompt": "a"}).status_code == 200
         assert client.post("/v1/completions", json={"prompt": ["a"] * 4}).status_code == 200
+
+
+def test_openapi_documents_every_request_body(tokenizer):
+    """The routes read their bodies themselves; /openapi.json still gives each POST route its
+    JSON body schema (clients, code generators and fuzzers read it), every $ref resolvable."""
+    app = build_app(RecordingEngine(tokenizer), Namespace(served_model_name=["m"]))
+    with TestClient(app) as client:
+        schema = client.get("/openapi.json").json()
+    components = schema["components"]["schemas"]
+    for path, methods in schema["paths"].items():
+        if "post" in methods and path != "/ping":
+            body = methods["post"]["requestBody"]["content"]["application/json"]["schema"]
+            assert body.get("properties") or body.get("anyOf"), path
+    completion = schema["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert {"prompt", "max_tokens", "n", "stream"} <= set(completion["properties"])
+    invocations = schema["paths"]["/invocations"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert len(invocations["anyOf"]) == 2  # a chat or a completion request
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(schema)))
+    assert refs and refs <= set(components), refs - set(components)
+
+
+def test_a_client_gone_before_its_body_is_read_is_a_499_not_a_500(tokenizer):
+    """Under load a client may hang up before the server reads its body: that is the client's
+    doing (499, as a hang-up later on), not an unhandled error logged with a traceback as a 500."""
+    app = build_app(RecordingEngine(tokenizer), Namespace(served_model_name=["m"]))
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/completions",
+        "raw_path": b"/v1/completions",
+        "root_path": "",
+        "query_string": b"",
+        "headers": [(b"content-type", b"application/json"), (b"host", b"test")],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+    }
+    asyncio.run(app(scope, receive, send))
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] == 499
+    assert app.state.server_state.errors.counts == {499: 1}

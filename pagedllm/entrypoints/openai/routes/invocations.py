@@ -8,6 +8,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from pagedllm.entrypoints.openai.errors import OpenAIError
+from pagedllm.entrypoints.openai.openapi import json_body_doc
 from pagedllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from pagedllm.entrypoints.openai.request_body import json_object_body, parse_body
 from pagedllm.entrypoints.openai.server_state import State
@@ -15,7 +16,7 @@ from pagedllm.entrypoints.openai.server_state import State
 router = APIRouter()
 
 
-@router.post("/invocations")
+@router.post("/invocations", openapi_extra=json_body_doc(ChatCompletionRequest, CompletionRequest))
 async def invocations(raw_request: Request, state: State) -> Response:
     body = await json_object_body(raw_request)
     if "messages" in body:
