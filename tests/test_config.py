@@ -119,7 +119,7 @@ def test_unknown_architecture(llama_model_dir, tmp_path):
         ({"tensor_parallel_size": 3}, r"tensor_parallel_size=3 cannot split .* valid sizes: \[1, 2, 4\]"),
         ({"pipeline_parallel_size": 2}, "pipeline_parallel_size=1"),
         ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, triton"),
-        ({"quantization": "int4"}, "quantization must be None"),
+        ({"quantization": "int3"}, "quantization must be None"),
         ({"structured_outputs_backend": "outlines"}, "structured_outputs_backend must be one of"),
         ({"max_logprobs": -2}, r"max_logprobs must be -1 \(no cap\) or an integer >= 0"),
     ],
