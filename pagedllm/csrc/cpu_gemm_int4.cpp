@@ -9,11 +9,11 @@
 // scale, zero: [N / 16, K / G, 16] float32, a panel's groups contiguous.
 //
 // Two paths:
-// - Few rows (decode): the fused tile. Per group it sums x[m, k] * q[n, k] over the group's k in
+// - Fewer than 16 rows (decode): the fused tile. Per group it sums x[m, k] * q[n, k] over the group's k in
 //   registers (the weights are widened to floats as they are loaded, never stored), then folds
 //   the group in: acc += s * (sum - z * sum_k x[m, k]) (the x sums per group are computed once
 //   per call). Each packed byte is read once per row tile.
-// - Many rows (prefill, big batches): compute-bound, so the vector work of unpacking must not be
+// - 16 rows and more (prefill, big batches): compute-bound, so the vector work of unpacking must not be
 //   paid per row. Each thread dequantizes a group of 4 panels into a small fp32 buffer in the fp32
 //   kernel's layout (exactly (q - z) * s) and runs the fp32 micro-kernel (cpu_gemm_common.h) on it
 //   for all rows.
@@ -31,8 +31,11 @@ using namespace pagedllm_gemm;
 namespace {
 
 constexpr int64_t kBytesPerStep = kLanes / 2;  // one k step of a panel: 16 nibbles
-// From this many rows the dequantize-then-fp32 path is faster (measured, AVX-512, K = 576..1536).
-constexpr int64_t kDequantRows = 8;
+// From this many rows the dequantize-then-fp32 path is used. Measured on the SmolLM2-shaped
+// linears (benchmarks/int4_decode.py, AVX-512, one thread): at 8 rows it took 1.8x the fused
+// tile's time at 7, and at 16 rows it was level with fp32; the fused tile's unpacking per row
+// tile grows with the rows, the dequantization is paid once.
+constexpr int64_t kDequantRows = 16;
 
 struct Int4Problem {
   const float* x;  // [M, K], row stride ldx
