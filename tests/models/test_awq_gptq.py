@@ -225,3 +225,35 @@ def test_quantization_option_must_agree_with_the_checkpoint(llama_model_dir, tmp
     (quant_dir / "config.json").write_text(json.dumps(hf_config))
     with pytest.raises(ValueError, match="'squeezellm' is not supported"):
         EngineArgs(model=str(quant_dir)).create_engine_config()
+
+
+@pytest.mark.parametrize("method", ["awq", "gptq"])
+def test_tp2_shards_of_packed_tensors_match_the_unsharded_layer(method):
+    from tests.layers.test_tp_shards import tp_rank
+
+    rng = np.random.default_rng(3)
+    config = _config(method, 32)
+    g_idx = np.arange(128) // 32
+    x = rng.standard_normal((2, 128)).astype(np.float32)
+    parts = {p: random_int4(n, 128, 32, rng) for p, n in (("q", 64), ("k", 32), ("v", 32))}
+    want = {p: reference_linear(x, dequantize(*parts[p][:3], g_idx)) for p in parts}
+    down = random_int4(48, 128, 32, rng)
+    for rank in range(2):
+        with tp_rank(rank, 2):
+            qkv = QKVParallelLinear(128, 16, 4, 2, quant_config=config)
+            row = RowParallelLinear(128, 48, quant_config=config)
+        for p, (q, scale, zero, _) in parts.items():
+            for name, tensor in checkpoint_tensors(method, q, scale, zero, g_idx).items():
+                getattr(qkv, name).weight_loader(getattr(qkv, name), tensor, p)
+        for name, tensor in checkpoint_tensors(method, *down[:3], g_idx).items():
+            getattr(row, name).weight_loader(getattr(row, name), tensor)
+        for layer in (qkv, row):
+            layer.quant_method.process_weights_after_loading(layer)
+        got = qkv(as_tensor(x)).numpy()
+        halves = [want["q"][:, 32 * rank : 32 * (rank + 1)], *(want[p][:, 16 * rank : 16 * (rank + 1)] for p in "kv")]
+        np.testing.assert_allclose(got, np.concatenate(halves, axis=1), rtol=1e-4, atol=1e-4)
+        partial = row(as_tensor(x[:, 64 * rank : 64 * (rank + 1)])).numpy()
+        down_part = reference_linear(
+            x[:, 64 * rank : 64 * (rank + 1)], dequantize(*down[:3], g_idx)[:, 64 * rank : 64 * (rank + 1)]
+        )
+        np.testing.assert_allclose(partial, down_part, rtol=1e-4, atol=1e-4)
