@@ -203,6 +203,9 @@ def test_bad_awq_config_and_shape_mismatch_are_value_errors(llama_model_dir, tmp
     quant_dir, _ = write_checkpoints(llama_model_dir, tmp_path / "zp", "awq", zero_point=False)
     with pytest.raises(ValueError, match="zero_point: false"):
         _load(quant_dir)
+    quant_dir, _ = write_checkpoints(llama_model_dir, tmp_path / "skip", "awq", modules_to_not_convert=["down_proj"])
+    with pytest.raises(ValueError, match="modules_to_not_convert"):
+        _load(quant_dir)
     quant_dir, _ = write_checkpoints(llama_model_dir, tmp_path / "shape", "awq")
     hf_config = json.loads((quant_dir / "config.json").read_text())
     hf_config["intermediate_size"] = 256  # the checkpoint's mlp is 128 wide

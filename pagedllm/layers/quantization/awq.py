@@ -121,6 +121,11 @@ class AWQConfig(QuantizationConfig):
         check_int4("awq", config.get("bits", config.get("w_bit")), config.get("group_size", config.get("q_group_size")))
         if not config.get("zero_point", True):
             raise ValueError("awq checkpoints without zero points (zero_point: false) are not supported")
+        if config.get("modules_to_not_convert"):
+            raise ValueError(
+                f"awq checkpoints with modules_to_not_convert ({config['modules_to_not_convert']}) are not "
+                "supported: every linear layer of the transformer must be quantized"
+            )
         version = str(config.get("version", "gemm")).lower()
         if version != "gemm":
             raise ValueError(f"awq version {version!r} is not supported; pagedllm reads the GEMM layout")

@@ -6,7 +6,8 @@ GPTQ stores per linear, K inputs, N outputs, G groups:
   qzeros  int32 [G, N / 8]: the zero points packed along N, in order;
   scales  [G, N];  g_idx int32 [K]: each input's group.
 W[n, k] = (q - z) * s with the group g_idx[k]. ``checkpoint_format: gptq`` (v1, the default)
-stores z - 1 (AutoGPTQ's historical offset), ``gptq_v2`` z itself. Without ``desc_act`` the
+stores z - 1 (AutoGPTQ's historical offset), ``gptq_v2`` z itself; symmetric (``sym``)
+checkpoints store z = 8 like any other, so the stored zeros are used either way. Without ``desc_act`` the
 groups are consecutive runs of ``group_size`` inputs and g_idx is not needed. With it (act-order)
 the groups interleave: the loader sorts the inputs by group (a permutation, kept to reorder the
 activations at run time), so the kernel sees contiguous groups. Act-order checkpoints load at
