@@ -120,7 +120,7 @@ def test_unknown_architecture(llama_model_dir, tmp_path):
         ({"pipeline_parallel_size": 3}, "pipeline_parallel_size=3 exceeds the model.s 2 layers"),
         ({"pipeline_parallel_size": 0}, "pipeline_parallel_size must be a positive integer"),
         ({"attention_backend": "flash"}, "attention_backend must be one of auto, torch, triton"),
-        ({"quantization": "int4"}, "quantization must be None"),
+        ({"quantization": "int3"}, "quantization must be None"),
         ({"structured_outputs_backend": "outlines"}, "structured_outputs_backend must be one of"),
         ({"max_logprobs": -2}, r"max_logprobs must be -1 \(no cap\) or an integer >= 0"),
     ],

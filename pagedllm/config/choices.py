@@ -14,7 +14,10 @@ DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)  # what --dtype / dtype= accept
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py reads this table
-QUANTIZATION_METHODS = ("int8", "w8a8")  # layers/quantization/ (QUANTIZATION_CONFIGS)
+# Checkpoint formats: config.json's quantization_config.quant_method (layers/quantization/checkpoint.py).
+CHECKPOINT_QUANT_METHODS = ("awq", "gptq")
+# layers/quantization/ (QUANTIZATION_CONFIGS, then the checkpoint formats)
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4", *CHECKPOINT_QUANT_METHODS)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers/attention/selector.py

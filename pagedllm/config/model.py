@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.config.choices import (
+    CHECKPOINT_QUANT_METHODS,
     DTYPE_BYTES,
     DTYPE_CHOICES,
     DTYPES,
@@ -32,7 +33,9 @@ class ModelConfig:
     seed: int
     trust_remote_code: bool
     served_model_name: str
-    quantization: str | None = None  # None | int8 (weight-only) | w8a8 (int8 weights and activations); CPU float32
+    # None | int8 (weight-only) | w8a8 (int8 weights and activations) | int4 (group-wise weight-only)
+    # | awq | gptq (from the checkpoint's quantization_config); CPU float32
+    quantization: str | None = None
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     runner: str = "generate"  # generate | pooling (config/pooler.py)
     pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
@@ -93,8 +96,11 @@ class ModelArgs:
     quantization: str | None = option(
         None,
         "int8: weight-only int8 linear layers with per-channel scales (CPU, float32): a quarter of the "
-        "weight bytes, faster small-batch decode; w8a8: int8 weights and per-token int8 activations "
-        "(int8 dot products), faster large-batch decode and prefill; the LM head stays float32",
+        "weight bytes, faster small-batch decode; int4: weight-only group-wise int4 (groups of 128 inputs, "
+        "a scale and zero point each): an eighth of the bytes; w8a8: int8 weights and per-token int8 "
+        "activations (int8 dot products), faster large-batch decode and prefill; awq / gptq: 4-bit AWQ "
+        "and GPTQ checkpoints, chosen by default from config.json's quantization_config and run on the "
+        "int4 kernel; the LM head stays float32",
         choices=QUANTIZATION_METHODS,
         default_help="off",
         aliases=("-q",),
@@ -127,7 +133,8 @@ class ModelArgs:
     def create_model_config(self, model_dir: str, arch: ModelArchConfig, device: str, load_format: str) -> ModelConfig:
         check_architecture(arch)
         dtype = resolve_dtype(self.dtype, arch, device)
-        check_quantization(self.quantization, device, dtype)
+        quantization = resolve_quantization(self.quantization, arch.extra.get("quantization_config"))
+        check_quantization(quantization, device, dtype)
         check_max_logprobs(self.max_logprobs)
         return ModelConfig(
             model=model_dir,
@@ -139,7 +146,7 @@ class ModelArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             served_model_name=self.served_model_name or (self.model or DEMO_MODEL_NAME),
-            quantization=self.quantization,
+            quantization=quantization,
             max_logprobs=self.max_logprobs,
         )
 
@@ -163,8 +170,33 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: str) -> str:
     return "bfloat16" if checkpoint in (None, "float32") else checkpoint
 
 
+def resolve_quantization(requested: str | None, checkpoint: object) -> str | None:
+    """The weight format: the checkpoint's ``quantization_config.quant_method`` when it has one
+    (an explicit ``requested`` must agree), else ``requested``."""
+    method = checkpoint.get("quant_method") if isinstance(checkpoint, dict) else None
+    if method is None:
+        if requested in CHECKPOINT_QUANT_METHODS:
+            raise ValueError(
+                f"quantization={requested!r} reads a {requested} checkpoint, but config.json has no "
+                "quantization_config; drop the quantization option or pass a quantized checkpoint"
+            )
+        return requested
+    method = str(method).lower()
+    if method not in CHECKPOINT_QUANT_METHODS:
+        raise ValueError(
+            f"the checkpoint's quantization_config.quant_method {method!r} is not supported; "
+            f"supported checkpoint formats: {', '.join(CHECKPOINT_QUANT_METHODS)}"
+        )
+    if requested is not None and requested != method:
+        raise ValueError(
+            f"quantization={requested!r} disagrees with the checkpoint's quantization_config.quant_method "
+            f"{method!r}; drop the quantization option (the checkpoint's format is used) or pass {method!r}"
+        )
+    return method
+
+
 def check_quantization(quantization: str | None, device: str, dtype: str) -> None:
-    """int8 and w8a8 are CPU kernels that take and return float32 activations."""
+    """The quantized methods are CPU kernels that take and return float32 activations."""
     if quantization is None:
         return
     if quantization not in QUANTIZATION_METHODS:

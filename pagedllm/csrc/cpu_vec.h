@@ -58,6 +58,13 @@ inline Vec load_bf16(const uint16_t* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
+// Vector v of a panel of 16 4-bit values in 8 bytes (lane l: byte l % 8, its high nibble when
+// l >= 8; see load_u4 below) -> floats 0..15 (exact). One vector is the whole panel here.
+inline Vec load_u4(const uint8_t* p, int) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)))};
+}
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_AVX2)
@@ -97,6 +104,12 @@ inline Vec load_bf16(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
 }
+// v = 0: the low nibbles of the 8 bytes (lanes 0-7), v = 1: the high ones (lanes 8-15).
+inline Vec load_u4(const uint8_t* p, int v) {
+  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  if (v) b = _mm_srli_epi16(b, 4);
+  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))))};
+}
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_NEON)
@@ -128,6 +141,14 @@ inline Vec load_i8(const int8_t* p) {
   return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w16)))};
 }
 inline Vec load_bf16(const uint16_t* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
+// v = 0, 1: the low nibbles of bytes 0-3, 4-7 (lanes 0-7); v = 2, 3: their high nibbles.
+inline Vec load_u4(const uint8_t* p, int v) {
+  uint32_t bits;
+  std::memcpy(&bits, p + (v & 1) * 4, 4);
+  uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(bits));
+  b = (v & 2) ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(0x0F));
+  return {vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))))};
+}
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #else
@@ -162,6 +183,11 @@ inline Vec load_bf16(const uint16_t* p) {
   Vec a;
   std::memcpy(&a.v, bits, sizeof(F4));
   return a;
+}
+inline Vec load_u4(const uint8_t* p, int v) {  // as on NEON
+  const uint8_t* b = p + (v & 1) * 4;
+  const int s = (v & 2) ? 4 : 0;
+  return {F4{float((b[0] >> s) & 15), float((b[1] >> s) & 15), float((b[2] >> s) & 15), float((b[3] >> s) & 15)}};
 }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif

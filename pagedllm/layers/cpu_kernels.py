@@ -2,7 +2,7 @@
 to the torch path.
 
 One shared library holds every kernel: paged decode attention, the fused small ops (RoPE,
-SiLU-and-mul, RMSNorm, the K/V write), the packed fp32 GEMM and its int8 variants, the LoRA
+SiLU-and-mul, RMSNorm, the K/V write), the packed fp32 GEMM and its int8 and int4 variants, the LoRA
 deltas of mixed-adapter batches. Every kernel
 is written once over the vector abstraction in ``csrc/cpu_vec.h``; the library is compiled per
 ISA level (``cpu_info.ISA_LEVELS``: avx512, avx2, neon, portable) and registers its ops as
@@ -43,6 +43,7 @@ SOURCES = tuple(
         "cpu_fused_ops.cpp",
         "cpu_gemm.cpp",
         "cpu_gemm_int8.cpp",
+        "cpu_gemm_int4.cpp",
         "cpu_gemm_w8a8.cpp",
         "cpu_decode_stack.cpp",
         "cpu_lora.cpp",

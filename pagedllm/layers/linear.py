@@ -19,7 +19,16 @@ from torch import nn
 from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.layers.quantization import QuantizationConfig, current_quant_config
 from pagedllm.layers.quantization.base import set_weight_attrs
-from pagedllm.layers.sharding import ShardId, copy_checked, divide, input_dim, narrow_checked, output_dim
+from pagedllm.layers.sharding import (
+    ShardId,
+    copy_checked,
+    divide,
+    divide_packed,
+    input_dim,
+    narrow_checked,
+    output_dim,
+    pack_factor,
+)
 from pagedllm.lora.context import current_lora_step
 
 
@@ -77,14 +86,23 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         dim = output_dim(param)
+        if dim is None:  # not split by outputs (GPTQ's g_idx): every rank holds it whole
+            copy_checked(param, loaded_weight)
+            return
         rows = param.shape[dim]
         copy_checked(param, narrow_checked(loaded_weight, dim, self.tp.rank * rows, rows))
 
     def load_fused_shard(self, param: nn.Parameter, loaded_weight: torch.Tensor, index: int, source: int) -> None:
         """Copy projection ``index``'s slice number ``source`` of a checkpoint tensor into its
-        place in the fused parameter (the projections are concatenated along the output dim)."""
-        dim, size = output_dim(param), self.output_sizes[index]
-        offset = sum(self.output_sizes[:index])
+        place in the fused parameter (the projections are concatenated along the output dim,
+        ``pack_factor`` outputs per element when the parameter packs them, as AWQ's qweight)."""
+        dim = output_dim(param)
+        if dim is None:  # the same for every projection of one input (GPTQ's g_idx)
+            copy_checked(param, loaded_weight)
+            return
+        factor = pack_factor(param, dim)
+        size = divide_packed(self.output_sizes[index], factor)
+        offset = sum(self.output_sizes[:index]) // factor
         copy_checked(param.data.narrow(dim, offset, size), narrow_checked(loaded_weight, dim, source * size, size))
 
 

@@ -42,9 +42,26 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded)
 
 
-def output_dim(param: torch.Tensor) -> int:
-    """The dimension a column-parallel split cuts (0 for a dense [out, in] weight and a bias)."""
+def output_dim(param: torch.Tensor) -> int | None:
+    """The dimension a column-parallel split cuts (0 for a dense [out, in] weight and a bias;
+    None: not split, e.g. GPTQ's per-input g_idx)."""
     return getattr(param, "output_dim", 0)
+
+
+def pack_factor(param: torch.Tensor, dim: int) -> int:
+    """Values per element along ``dim``: 8 where a parameter packs eight 4-bit values into one
+    int32 along it (``packed_dim``), else 1."""
+    return getattr(param, "pack_factor", 1) if getattr(param, "packed_dim", None) == dim else 1
+
+
+def divide_packed(size: int, factor: int) -> int:
+    """``size`` values in elements of ``factor`` values; ValueError when they do not fill them."""
+    if size % factor:
+        raise ValueError(
+            f"a projection of {size} outputs cannot be cut from a checkpoint tensor that packs {factor} "
+            "outputs per element; the checkpoint does not fit this model's shapes"
+        )
+    return size // factor
 
 
 def input_dim(param: torch.Tensor) -> int | None:

@@ -47,7 +47,7 @@ def load_model(
     ("auto"/"safetensors"; "auto"/"gguf" for a .gguf file, dequantized to ``dtype``) or random
     ("dummy", seeded by ``seed``; no files needed). ``quantization`` names the weight format
     (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included."""
-    quant_config = get_quantization_config(quantization)
+    quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"))
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
@@ -168,4 +168,7 @@ def init_dummy_weights(model: nn.Module, seed: int) -> None:
             continue
         if param.device not in generators:
             generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+        if not param.dtype.is_floating_point:  # a quantized checkpoint's packed words: any bits
+            param.random_(generator=generators[param.device])
+            continue
         param.normal_(0.0, param.shape[-1] ** -0.5, generator=generators[param.device])

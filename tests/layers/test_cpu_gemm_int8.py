@@ -110,13 +110,13 @@ def test_layer_the_kernel_cannot_take_stays_float(native):
 
 def test_unknown_method_is_an_error():
     with pytest.raises(ValueError, match="quantization must be"):
-        get_quantization_config("int4")
+        get_quantization_config("int3")
 
 
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        ({"quantization": "int4"}, "quantization must be None"),
+        ({"quantization": "int3"}, "quantization must be None"),
         ({"quantization": "int8", "dtype": "bfloat16"}, "needs dtype float32"),
         ({"quantization": "int8", "device": "cuda"}, "runs on CPU only"),
     ],

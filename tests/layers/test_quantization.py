@@ -15,14 +15,21 @@ from pagedllm.layers.quantization import (
     current_quant_config,
     get_quantization_config,
 )
+from pagedllm.layers.quantization.checkpoint import CHECKPOINT_FORMATS
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 
 
+def _checkpoint_config(name):
+    """A minimal ``quantization_config`` each checkpoint format accepts (None for the others)."""
+    return {"quant_method": name, "bits": 4, "group_size": 32} if name in CHECKPOINT_FORMATS else None
+
+
 @pytest.mark.parametrize("name", QUANTIZATION_METHODS)
 def test_each_name_builds_its_config_with_fresh_methods(name):
-    config = get_quantization_config(name)
-    assert isinstance(config, QUANTIZATION_CONFIGS[name]) and config.name == name
+    config = get_quantization_config(name, _checkpoint_config(name))
+    assert config.name == name
+    assert name in CHECKPOINT_FORMATS or isinstance(config, QUANTIZATION_CONFIGS[name])
     for get in (config.get_linear_method, config.get_lm_head_method):
         first, second = get(), get()
         assert isinstance(first, LinearMethodBase) and first is not second  # per-layer state
@@ -30,8 +37,15 @@ def test_each_name_builds_its_config_with_fresh_methods(name):
 
 def test_none_is_unquantized_and_unknown_names_are_value_errors():
     assert isinstance(get_quantization_config(None), UnquantizedConfig)
-    with pytest.raises(ValueError, match="quantization must be None or one of int8, w8a8; got 'int4'"):
-        get_quantization_config("int4")
+    with pytest.raises(ValueError, match="quantization must be None or one of int8, w8a8, int4, .*; got 'int3'"):
+        get_quantization_config("int3")
+
+
+@pytest.mark.parametrize("name", sorted(CHECKPOINT_FORMATS))
+def test_a_checkpoint_format_needs_its_quantization_config(name):
+    for config in (None, {"quant_method": "other", "bits": 4}):
+        with pytest.raises(ValueError, match=f"no quantization_config with quant_method '{name}'"):
+            get_quantization_config(name, config)
 
 
 def test_layers_take_the_method_of_the_model_being_built():

@@ -1,7 +1,9 @@
 """Weight formats by name, and the one a model is being built with.
 
-``QUANTIZATION_CONFIGS`` maps a ``--quantization`` name to its :class:`QuantizationConfig`; its
-names equal the torch-free list the engine config validates against (a test checks). The model
+``QUANTIZATION_CONFIGS`` maps a ``--quantization`` name to its :class:`QuantizationConfig`, and
+``checkpoint.CHECKPOINT_FORMATS`` a quantized checkpoint's ``quant_method`` (also a
+``--quantization`` name) to a builder from its ``quantization_config``; together their names
+equal the torch-free list the engine config validates against (a test checks). The model
 loader builds a model inside :func:`building_with`; each linear layer and LM head asks
 :func:`current_quant_config` at construction for its method, so model files never see the format.
 """
@@ -10,23 +12,33 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedllm.layers.quantization.checkpoint import CHECKPOINT_FORMATS, checkpoint_quant_config
+from pagedllm.layers.quantization.int4 import Int4Config
 from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8Config
 
-QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {"int8": Int8Config, "w8a8": W8A8Config}
-QUANTIZATION_METHODS = tuple(QUANTIZATION_CONFIGS)
+QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
+    "int8": Int8Config,
+    "w8a8": W8A8Config,
+    "int4": Int4Config,
+}
+QUANTIZATION_METHODS = (*QUANTIZATION_CONFIGS, *CHECKPOINT_FORMATS)
 
 _UNQUANTIZED = UnquantizedConfig()
 _current: QuantizationConfig = _UNQUANTIZED
 
 
-def get_quantization_config(name: str | None) -> QuantizationConfig:
-    """The config for ``name`` (None: unquantized); ValueError for an unknown name."""
+def get_quantization_config(name: str | None, checkpoint_config: dict[str, Any] | None = None) -> QuantizationConfig:
+    """The config for ``name`` (None: unquantized); a checkpoint format (awq, gptq) is built from
+    the checkpoint's ``quantization_config`` dict. ValueError for an unknown name."""
     if name is None:
         return _UNQUANTIZED
+    if name in CHECKPOINT_FORMATS:
+        return checkpoint_quant_config(name, checkpoint_config)
     if name not in QUANTIZATION_CONFIGS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
     return QUANTIZATION_CONFIGS[name]()
@@ -49,6 +61,7 @@ def building_with(config: QuantizationConfig) -> Iterator[QuantizationConfig]:
 
 
 __all__ = [
+    "CHECKPOINT_FORMATS",
     "QUANTIZATION_CONFIGS",
     "QUANTIZATION_METHODS",
     "LinearMethodBase",

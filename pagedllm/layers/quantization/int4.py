@@ -1,0 +1,205 @@
+"""Group-wise int4 weight-only linears for CPU decode (``--quantization int4``), and the layout
+the AWQ and GPTQ checkpoints (``awq.py``, ``gptq.py``) are repacked into.
+
+Batch-1 decode streams every weight once per step; int4 halves int8's bytes (an eighth of
+float32). One weight is W[n, k] = (q[n, k] - z[n, g]) * s[n, g]: q in 0..15, g = k // G, one float32
+scale and one (integral) zero point per output row and group of G inputs along K (128 by default).
+Activations stay float32; the kernel (``csrc/cpu_gemm_int4.cpp``) widens the nibbles in registers.
+
+A float checkpoint is quantized per layer after loading (``quantize_groupwise``: min/max of
+each group, zero included in the range so that 0 is exact and a constant group needs no special
+case). Checkpoint formats hand ``finish_int4`` their integer weights, zeros and scales instead.
+A layer the kernel cannot take (out_features % 16, no kernel build) keeps a float32 weight,
+the dequantized one for a checkpoint, with a warning. The LM head stays float32 (as for int8).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Protocol, cast
+
+import torch
+from torch import nn
+
+from pagedllm.layers.cpu_gemm_kernels import PANEL
+from pagedllm.layers.cpu_kernels import cpu_ops
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GROUP_SIZE = 128
+# The smallest group a float checkpoint falls back to when 128 does not divide K: below it the
+# per-group scale and zero (8 bytes) cost more than the packed weights they describe.
+MIN_GROUP_SIZE = 16
+_QMAX = 15
+
+LinearInt4 = Callable[..., torch.Tensor]
+
+
+@lru_cache(maxsize=1)
+def load_int4_gemm() -> LinearInt4 | None:
+    """``packed_linear_int4(x, packed, scale, zero, bias, group_size)`` of the selected build, or
+    None when the CPU kernels are disabled or the build failed."""
+    ops = cpu_ops()
+    return None if ops is None else ops.packed_linear_int4.default
+
+
+def choose_group_size(in_features: int, preferred: int = DEFAULT_GROUP_SIZE) -> int:
+    """The largest power of two <= ``preferred`` dividing ``in_features`` (at least 16)."""
+    group = preferred
+    while group >= MIN_GROUP_SIZE:
+        if in_features % group == 0:
+            return group
+        group //= 2
+    raise ValueError(
+        f"int4 needs in_features divisible by a group size of {MIN_GROUP_SIZE} to {preferred} (a power of two); "
+        f"a layer has in_features={in_features}. Use --quantization int8 for this model"
+    )
+
+
+def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [N, K] float -> (q [N, K] uint8 in 0..15, scale [N, K / G], zero [N, K / G]) float32 with
+    W ~ (q - zero) * scale per group; each weight's error is at most scale / 2."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group, group)
+    lo = groups.amin(dim=2).clamp(max=0.0)
+    hi = groups.amax(dim=2).clamp(min=0.0)
+    scale = torch.where(hi > lo, (hi - lo) / _QMAX, torch.ones_like(hi))
+    zero = torch.round(-lo / scale).clamp_(0, _QMAX)
+    q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp_(0, _QMAX)
+    return q.reshape(n, k).to(torch.uint8), scale.contiguous(), zero.contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """(q - zero) * scale as float32 [N, K] (the kernels' weights, the tests' reference)."""
+    group = q.shape[1] // scale.shape[1]
+    return (q.float() - zero.repeat_interleave(group, dim=1)) * scale.repeat_interleave(group, dim=1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..15) -> the kernel's [N / 16, K, 8] uint8: byte j of panel p at step k holds
+    row 16 p + j in its low nibble and row 16 p + j + 8 in its high one."""
+    n, k = q.shape
+    halves = q.to(torch.uint8).reshape(n // PANEL, 2, PANEL // 2, k)
+    return (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int4`` (a new [N, K] uint8 tensor)."""
+    panels, k, _ = packed.shape
+    by_row = packed.transpose(1, 2)
+    return torch.stack([by_row & 15, by_row >> 4], dim=1).reshape(panels * PANEL, k)
+
+
+def pack_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, K / G] -> [N / 16, K / G, 16] float32 (a panel's groups contiguous)."""
+    n, groups = t.shape
+    return t.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+
+
+class _Int4Layer(Protocol):
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_zero: torch.Tensor
+    weight_perm: torch.Tensor | None
+    quant_method: LinearMethodBase
+
+
+def _not_loaded_yet(*args: object) -> torch.Tensor:
+    raise RuntimeError("an int4 layer runs only after its quant_method.process_weights_after_loading")
+
+
+class Int4KernelMethod(LinearMethodBase):
+    """What int4, AWQ and GPTQ share: the packed int4 weights and the kernel call. ``perm`` (GPTQ's
+    act-order) reorders the inputs so that each group's are contiguous: x[..., perm] is used."""
+
+    format_name = "int4"
+
+    def __init__(self) -> None:
+        self.group_size = 0
+        self._kernel: LinearInt4 = _not_loaded_yet
+
+    def finish_int4(
+        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, perm: torch.Tensor | None
+    ) -> None:
+        """Store q [N, K], scale and zero [N, K / G] (inputs in ``perm`` order) for the kernel, or
+        the dequantized float32 weight where the kernel cannot take them."""
+        kernel = load_int4_gemm()
+        if q.shape[0] % PANEL or kernel is None:
+            self._fall_back(layer, q, scale, zero, perm)
+            return
+        typed = cast(_Int4Layer, layer)
+        self.group_size = q.shape[1] // scale.shape[1]
+        typed.weight = nn.Parameter(pack_int4(q), requires_grad=False)
+        layer.register_buffer("weight_scale", pack_groups(scale), persistent=False)
+        layer.register_buffer("weight_zero", pack_groups(zero), persistent=False)
+        layer.register_buffer("weight_perm", perm, persistent=False)
+        self._kernel = kernel
+
+    def _fall_back(
+        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, perm: torch.Tensor | None
+    ) -> None:
+        w = dequantize(q, scale, zero)
+        if perm is not None:
+            w = torch.empty_like(w).index_copy_(1, perm, w)  # back to the checkpoint's input order
+        logger.warning(
+            "%s kernel not used for a weight of shape %s (needs the CPU kernels and out_features %% 16 == 0); "
+            "it runs as float32",
+            self.format_name,
+            tuple(w.shape),
+        )
+        typed = cast(_Int4Layer, layer)
+        typed.weight = nn.Parameter(w, requires_grad=False)
+        typed.quant_method = UnquantizedLinearMethod()
+        typed.quant_method.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        typed = cast(_Int4Layer, layer)
+        if typed.weight_perm is not None:
+            x = x.index_select(-1, typed.weight_perm)
+        return self._kernel(x, typed.weight, typed.weight_scale, typed.weight_zero, bias, self.group_size)
+
+
+class Int4LinearMethod(Int4KernelMethod):
+    """Loads the float checkpoint weight, then quantizes it group-wise (``quantize_groupwise``)."""
+
+    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+        super().__init__()
+        self.preferred_group = group_size
+        self.quantized = False
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        self.group_size = choose_group_size(input_size, self.preferred_group)  # a clear error before loading
+        create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
+        layer.register_buffer("weight_perm", None, persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.quantized:
+            return
+        w = cast(_Int4Layer, layer).weight.data
+        if w.device.type != "cpu" or w.dtype != torch.float32:
+            raise ValueError(f"int4 quantizes float32 CPU weights, got {w.dtype} on {w.device.type}")
+        self.finish_int4(layer, *quantize_groupwise(w, self.group_size), None)
+        self.quantized = True
+
+
+class Int4Config(QuantizationConfig):
+    """Group-wise int4 for the transformer's linears (a float checkpoint); the LM head stays float."""
+
+    name = "int4"
+
+    def get_linear_method(self) -> LinearMethodBase:
+        return Int4LinearMethod()
+
+    def get_lm_head_method(self) -> LinearMethodBase:
+        return UnquantizedLinearMethod()

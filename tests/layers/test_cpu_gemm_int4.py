@@ -1,0 +1,155 @@
+"""Group-wise int4 (``--quantization int4``): the kernel (csrc/cpu_gemm_int4.cpp) at every ISA level
+against an exact numpy dequantize-then-matmul, the packing, the quantizer, the layer."""
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization import int4
+from tests.layers.int4_reference import as_tensor, dequantize, random_int4, reference_linear
+
+# Rows 1-15: every fused tile height (1-4) and remainders; from 16 the dequantize-then-fp32
+# path: 16, 17 and 64 (the fp32 micro-kernel's row tiles and remainders).
+ROWS = [1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 64]
+# (N, K, G): one panel; 3 and 4 + 3 panels (a partial thread group); K not a multiple of any
+# vector width, with small and single groups; a wide K.
+SHAPES = [(16, 16, 16), (48, 96, 32), (112, 40, 8), (80, 24, 24), (32, 200, 40), (64, 1536, 128)]
+
+
+@pytest.fixture(scope="module")
+def native():
+    op = int4.load_int4_gemm()
+    if op is None:
+        pytest.skip("the C++ int4 GEMM kernel could not be built here")
+    return op
+
+
+def _check(op, rows: int, n: int, k: int, group: int, with_bias: bool) -> None:
+    rng = np.random.default_rng(rows * 1000 + n + k)
+    q, scale, zero, g_idx = random_int4(n, k, group, rng)
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
+    want = reference_linear(x, dequantize(q, scale, zero, g_idx), bias)
+    got = op(
+        as_tensor(x),
+        int4.pack_int4(as_tensor(q)),
+        int4.pack_groups(as_tensor(scale)),
+        int4.pack_groups(as_tensor(zero).float()),
+        None if bias is None else as_tensor(bias),
+        group,
+    )
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group):
+    _check(isa_ops.packed_linear_int4.default, rows, n, k, group, with_bias=rows % 2 == 1)
+
+
+def test_smollm_shapes_across_threads_and_batched_input(native):
+    for rows in (1, 4, 16):
+        for n, k in [(960, 576), (576, 1536)]:
+            _check(native, rows, n, k, 64, with_bias=False)
+    rng = np.random.default_rng(0)
+    q, scale, zero, g_idx = random_int4(32, 64, 16, rng)
+    args = (int4.pack_int4(as_tensor(q)), int4.pack_groups(as_tensor(scale)), int4.pack_groups(as_tensor(zero)))
+    x = torch.randn(5, 3, 64)
+    want = reference_linear(x.reshape(15, 64).numpy(), dequantize(q, scale, zero, g_idx)).reshape(5, 3, 32)
+    np.testing.assert_allclose(native(x, *args, None, 16).numpy(), want, rtol=1e-4, atol=1e-4)
+    assert native(torch.randn(0, 64), *args, None, 16).shape == (0, 32)
+    with pytest.raises(RuntimeError, match="must divide K"):
+        native(x, *args, None, 48)
+
+
+def test_pack_int4_layout_and_roundtrip():
+    q = torch.randint(0, 16, (48, 5), dtype=torch.uint8)
+    packed = int4.pack_int4(q)
+    assert packed.shape == (3, 5, 8) and packed.dtype == torch.uint8
+    assert packed[1, 2, 3] == q[16 + 3, 2] | (q[16 + 11, 2] << 4)  # row j low nibble, row j + 8 high
+    assert torch.equal(int4.unpack_int4(packed), q)
+    groups = torch.arange(48 * 2, dtype=torch.float32).reshape(48, 2)
+    assert int4.pack_groups(groups)[2, 1, 5] == groups[32 + 5, 1]
+
+
+def test_quantization_error_bound_and_group_choice():
+    torch.manual_seed(0)
+    w = torch.randn(32, 256) * torch.logspace(-3, 1, 32)[:, None]
+    w[3] = 0.0  # an all-zero row: scale 1, q = zero
+    w[4] = 0.25  # a constant positive row is exact (0 is in every group's range)
+    q, scale, zero = int4.quantize_groupwise(w, 128)
+    assert q.dtype == torch.uint8 and q.max() <= 15 and scale.shape == zero.shape == (32, 2)
+    assert torch.equal(zero, zero.round()) and zero.min() >= 0 and zero.max() <= 15
+    error = (int4.dequantize(q, scale, zero) - w).abs()
+    assert (error <= scale.repeat_interleave(128, dim=1) / 2 * (1 + 1e-5)).all()
+    assert torch.equal(int4.dequantize(q, scale, zero)[3], w[3])
+    torch.testing.assert_close(int4.dequantize(q, scale, zero)[4], w[4])
+    assert [int4.choose_group_size(k) for k in (576, 1536, 192, 80)] == [64, 128, 64, 16]
+    with pytest.raises(ValueError, match="in_features=72"):
+        int4.choose_group_size(72)
+
+
+def test_layers_quantize_and_match(native):
+    torch.manual_seed(1)
+    column = ColumnParallelLinear(256, 48, bias=True, quant_config=int4.Int4Config())
+    row = RowParallelLinear(192, 32, bias=False, quant_config=int4.Int4Config())
+    for layer, group in ((column, 128), (row, 64)):
+        with torch.no_grad():
+            layer.weight.normal_()
+            if layer.bias is not None:
+                layer.bias.normal_()
+        w = layer.weight.detach().clone()
+        b = None if layer.bias is None else layer.bias.detach().clone()
+        layer.quant_method.process_weights_after_loading(layer)
+        assert layer.weight.dtype == torch.uint8 and layer.quant_method.group_size == group
+        x = torch.randn(3, w.shape[1])
+        reference = F.linear(x, int4.dequantize(*int4.quantize_groupwise(w, group)), b)
+        torch.testing.assert_close(layer(x), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_the_kernel_cannot_take_stays_float(native):
+    layer = ColumnParallelLinear(64, 40, bias=False, quant_config=int4.Int4Config())  # 40: not a multiple of 16
+    with torch.no_grad():
+        layer.weight.normal_()
+    w = layer.weight.detach().clone()
+    layer.quant_method.process_weights_after_loading(layer)
+    assert layer.weight.dtype == torch.float32
+    x = torch.randn(3, 64)
+    reference = F.linear(x, int4.dequantize(*int4.quantize_groupwise(w, 64)))
+    torch.testing.assert_close(layer(x), reference, rtol=1e-4, atol=1e-4)
+
+
+def test_in_features_without_a_group_is_a_clear_error():
+    with pytest.raises(ValueError, match="divisible by a group size"):
+        ColumnParallelLinear(72, 32, quant_config=int4.Int4Config())
+
+
+def test_engine_int4_greedy_matches_transformers_on_the_dequantized_weights(llama_model_dir, tmp_path, native):
+    """--quantization int4 on a float checkpoint equals transformers on that checkpoint with each
+    linear replaced by its int4 dequantization (the quantizer is per row, so fusing is transparent)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm import LLM, SamplingParams
+
+    float_dir = tmp_path / "dequantized"
+    shutil.copytree(llama_model_dir, float_dir)
+    state = load_file(str(llama_model_dir / "model.safetensors"))
+    for name, w in state.items():
+        if name.startswith("model.layers.") and name.endswith("_proj.weight"):
+            state[name] = int4.dequantize(*int4.quantize_groupwise(w, int4.choose_group_size(w.shape[1])))
+    save_file(state, str(float_dir / "model.safetensors"))
+    hf = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32)
+    llm = LLM(str(llama_model_dir), quantization="int4", kv_cache_memory=0.05, max_model_len=128)
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model
+    linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), int4.Int4LinearMethod)]
+    assert len(linears) == 8 and all(m.weight.dtype == torch.uint8 for m in linears)  # 2 layers x 4
+    prompts = [[1, 5, 9, 13], [5, 40, 80, 120, 160, 200]]
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=12)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
