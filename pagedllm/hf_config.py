@@ -71,7 +71,7 @@ def normalize_hf_config(hf: dict[str, Any]) -> ModelArchConfig:
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=_as_tuple(hf.get("eos_token_id")),
         torch_dtype=hf.get("torch_dtype") or hf.get("dtype"),
-        extra={k: hf[k] for k in ("sliding_window", "layer_types") if k in hf},
+        extra={k: hf[k] for k in ("sliding_window", "layer_types", "quantization_config") if k in hf},
     )
 
 

@@ -20,6 +20,7 @@ def test_quantization_methods_match_the_layers() -> None:
     from pagedllm.layers import quantization
 
     assert set(quantization.QUANTIZATION_METHODS) == set(choices.QUANTIZATION_METHODS)
+    assert set(quantization.CHECKPOINT_FORMATS) == set(choices.CHECKPOINT_QUANT_METHODS)
 
 
 def test_tool_call_parsers_match_the_implementations() -> None:

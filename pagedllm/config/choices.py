@@ -15,6 +15,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py reads this table
 QUANTIZATION_METHODS = ("int8", "w8a8")  # layers/quantization/ (QUANTIZATION_CONFIGS)
+# config.json's quantization_config.quant_method of the pre-quantized checkpoints that load
+# (layers/quantization/checkpoint.py, CHECKPOINT_FORMATS).
+CHECKPOINT_QUANT_METHODS = ("fp8", "compressed-tensors", "bitsandbytes")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers/attention/selector.py

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedllm.config.choices import (
+    CHECKPOINT_QUANT_METHODS,
     DTYPE_BYTES,
     DTYPE_CHOICES,
     DTYPES,
@@ -32,7 +33,9 @@ class ModelConfig:
     seed: int
     trust_remote_code: bool
     served_model_name: str
-    quantization: str | None = None  # None | int8 (weight-only) | w8a8 (int8 weights and activations); CPU float32
+    # None | int8 (weight-only) | w8a8 (int8 weights and activations) | a pre-quantized checkpoint's
+    # quant_method (CHECKPOINT_QUANT_METHODS, read from config.json); CPU float32
+    quantization: str | None = None
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     runner: str = "generate"  # generate | pooling (config/pooler.py)
     pooler_config: PoolerConfig | None = None  # set when runner == "pooling"
@@ -94,8 +97,10 @@ class ModelArgs:
         None,
         "int8: weight-only int8 linear layers with per-channel scales (CPU, float32): a quarter of the "
         "weight bytes, faster small-batch decode; w8a8: int8 weights and per-token int8 activations "
-        "(int8 dot products), faster large-batch decode and prefill; the LM head stays float32",
-        choices=QUANTIZATION_METHODS,
+        "(int8 dot products), faster large-batch decode and prefill; the LM head stays float32. "
+        "Pre-quantized checkpoints (config.json's quantization_config: fp8, compressed-tensors, bitsandbytes) "
+        "are detected and load onto those int8 layers; naming their method here is optional",
+        choices=QUANTIZATION_METHODS + CHECKPOINT_QUANT_METHODS,
         default_help="off",
         aliases=("-q",),
     )
@@ -127,7 +132,8 @@ class ModelArgs:
     def create_model_config(self, model_dir: str, arch: ModelArchConfig, device: str, load_format: str) -> ModelConfig:
         check_architecture(arch)
         dtype = resolve_dtype(self.dtype, arch, device)
-        check_quantization(self.quantization, device, dtype)
+        quantization = resolve_quantization(self.quantization, arch)
+        check_quantization(quantization, device, dtype)
         check_max_logprobs(self.max_logprobs)
         return ModelConfig(
             model=model_dir,
@@ -139,7 +145,7 @@ class ModelArgs:
             seed=self.seed,
             trust_remote_code=self.trust_remote_code,
             served_model_name=self.served_model_name or (self.model or DEMO_MODEL_NAME),
-            quantization=self.quantization,
+            quantization=quantization,
             max_logprobs=self.max_logprobs,
         )
 
@@ -163,14 +169,49 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: str) -> str:
     return "bfloat16" if checkpoint in (None, "float32") else checkpoint
 
 
+def checkpoint_quant_method(arch: ModelArchConfig) -> str | None:
+    """config.json's ``quantization_config.quant_method`` (None: a float checkpoint)."""
+    quant_config = arch.extra.get("quantization_config")
+    if quant_config is None:
+        return None
+    method = quant_config.get("quant_method") if isinstance(quant_config, dict) else None
+    if not isinstance(method, str):
+        raise ValueError(f"config.json's quantization_config has no quant_method (a string); got {quant_config!r}")
+    return method
+
+
+def resolve_quantization(requested: str | None, arch: ModelArchConfig) -> str | None:
+    """The weight format to load with: the checkpoint's quant_method when config.json has one
+    (``requested`` may only repeat it), else ``requested``."""
+    method = checkpoint_quant_method(arch)
+    if method is None:
+        if requested in CHECKPOINT_QUANT_METHODS:
+            raise ValueError(
+                f"quantization={requested!r} loads pre-quantized checkpoints, but config.json has no "
+                "quantization_config; drop it (or pass int8 / w8a8 to quantize this float checkpoint at load)"
+            )
+        return requested
+    if method not in CHECKPOINT_QUANT_METHODS:
+        raise ValueError(
+            f"config.json's quantization_config.quant_method {method!r} is not supported; "
+            f"supported: {', '.join(CHECKPOINT_QUANT_METHODS)}"
+        )
+    if requested not in (None, method):
+        raise ValueError(
+            f"quantization={requested!r} disagrees with the checkpoint, whose config.json has "
+            f"quantization_config.quant_method {method!r}; drop the quantization option or pass {method!r}"
+        )
+    return method
+
+
 def check_quantization(quantization: str | None, device: str, dtype: str) -> None:
-    """int8 and w8a8 are CPU kernels that take and return float32 activations."""
+    """int8 and w8a8 (which pre-quantized checkpoints load onto) are CPU kernels that take and
+    return float32 activations."""
     if quantization is None:
         return
-    if quantization not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization must be None (off) or one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}"
-        )
+    known = QUANTIZATION_METHODS + CHECKPOINT_QUANT_METHODS
+    if quantization not in known:
+        raise ValueError(f"quantization must be None (off) or one of {', '.join(known)}; got {quantization!r}")
     if device != "cpu":
         raise ValueError(
             f"quantization={quantization!r} runs on CPU only, the device is {device}; "

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from pagedllm.config.choices import LOAD_FORMATS
+from pagedllm.config.model import resolve_quantization
 from pagedllm.gguf_config import is_gguf_file, resolve_checkpoint
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
 from pagedllm.model_arch import ModelArchConfig
@@ -39,8 +40,10 @@ def load_model(
     """The model for ``arch`` in eval mode without gradients, its weights from ``model_dir``
     ("auto"/"safetensors"; "auto"/"gguf" for a .gguf file, dequantized to ``dtype``) or random
     ("dummy", seeded by ``seed``; no files needed). ``quantization`` names the weight format
-    (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included."""
-    quant_config = get_quantization_config(quantization)
+    (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included.
+    A pre-quantized checkpoint (config.json's quantization_config) loads in its own format."""
+    quantization = resolve_quantization(quantization, arch)
+    quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"))
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
@@ -48,7 +51,7 @@ def load_model(
     if weights is None:
         init_dummy_weights(model, seed)
     else:
-        _load_checkpoint(model, weights, model_dir)
+        _load_checkpoint(model, quant_config.convert_checkpoint(weights), model_dir)
     process_weights_after_loading(model)
     return model.eval().requires_grad_(False)
 

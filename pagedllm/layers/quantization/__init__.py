@@ -10,8 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
+# The pre-quantized checkpoint formats register themselves on import.
+from pagedllm.layers.quantization import bitsandbytes, compressed_tensors, fp8  # noqa: F401
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
+from pagedllm.layers.quantization.checkpoint import CHECKPOINT_FORMATS, checkpoint_quant_config
 from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8Config
@@ -23,10 +27,15 @@ _UNQUANTIZED = UnquantizedConfig()
 _current: QuantizationConfig = _UNQUANTIZED
 
 
-def get_quantization_config(name: str | None) -> QuantizationConfig:
-    """The config for ``name`` (None: unquantized); ValueError for an unknown name."""
+def get_quantization_config(name: str | None, checkpoint: dict[str, Any] | None = None) -> QuantizationConfig:
+    """The config for ``name`` (None: unquantized); a pre-quantized format's name reads the
+    checkpoint's ``quantization_config`` (``checkpoint``). ValueError for an unknown name."""
     if name is None:
         return _UNQUANTIZED
+    if name in CHECKPOINT_FORMATS:
+        if checkpoint is None:
+            raise ValueError(f"quantization {name!r} loads pre-quantized checkpoints; config.json has none")
+        return checkpoint_quant_config(checkpoint)
     if name not in QUANTIZATION_CONFIGS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
     return QUANTIZATION_CONFIGS[name]()
@@ -49,6 +58,7 @@ def building_with(config: QuantizationConfig) -> Iterator[QuantizationConfig]:
 
 
 __all__ = [
+    "CHECKPOINT_FORMATS",
     "QUANTIZATION_CONFIGS",
     "QUANTIZATION_METHODS",
     "LinearMethodBase",
