@@ -9,7 +9,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.config.choices import LOAD_FORMATS
+from pagedllm.config.choices import CHECKPOINT_QUANT_METHODS, LOAD_FORMATS
 from pagedllm.config.model import resolve_quantization
 from pagedllm.gguf_config import is_gguf_file, resolve_checkpoint
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
@@ -46,6 +46,11 @@ def load_model(
     quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"))
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
+    if load_format == "dummy" and quantization in CHECKPOINT_QUANT_METHODS:
+        raise ValueError(
+            f"load_format='dummy' cannot fill the layers of a pre-quantized ({quantization}) checkpoint; "
+            "load its weights, or use a float config.json for random weights"
+        )
     weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
     model = build_model(arch, dtype, device, quant_config)
     if weights is None:

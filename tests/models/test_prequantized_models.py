@@ -123,6 +123,8 @@ def test_config_errors_name_the_method_and_what_is_supported(quantized, llama_mo
     assert EngineArgs(model=str(fp8_dir), quantization="fp8").create_engine_config().model_config.quantization == "fp8"
     msg = _error(llama_model_dir, quantization="bitsandbytes")
     assert "no quantization_config" in msg
+    with pytest.raises(ValueError, match=r"load_format='dummy' cannot fill the layers of a pre-quantized \(fp8\)"):
+        LLM(str(fp8_dir), load_format="dummy", kv_cache_memory=0.05)
     msg = _error(_with_config(llama_model_dir, tmp_path / "hqq", {"quant_method": "hqq"}))
     assert "quant_method 'hqq' is not supported; supported: fp8, compressed-tensors, bitsandbytes" in msg
 

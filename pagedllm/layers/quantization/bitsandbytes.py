@@ -38,7 +38,7 @@ FP4_TABLE = (
 )  # fmt: skip
 CODE_TABLES = {"nf4": NF4_TABLE, "fp4": FP4_TABLE}
 _STATE = "weight.quant_state.bitsandbytes__"
-_WHERE = "bitsandbytes quantization_config"
+_WHERE = "config.json's bitsandbytes quantization_config"
 
 
 class BitsAndBytesConfig(PrequantizedConfig):

@@ -36,7 +36,7 @@ from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 INT_FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
 FORMATS = (*INT_FORMATS, "float-quantized")
 STRATEGIES = ("channel", "group", "block", "tensor")
-_WHERE = "compressed-tensors quantization_config"
+_WHERE = "config.json's compressed-tensors quantization_config"
 
 
 class CompressedTensorsConfig(PrequantizedConfig):

@@ -74,7 +74,9 @@ def parse_fp8(config: dict[str, Any]) -> QuantizationConfig:
     or static (its input scales are dropped on CPU)."""
     scheme = config.get("activation_scheme", "dynamic")
     if scheme not in ("dynamic", "static"):
-        raise ValueError(f"fp8 quantization_config.activation_scheme must be dynamic or static, got {scheme!r}")
+        raise ValueError(
+            f"config.json's fp8 quantization_config.activation_scheme must be dynamic or static, got {scheme!r}"
+        )
     return Fp8Config(Fp8Scheme(_block_size(config.get("weight_block_size"))), Int8LinearMethod)
 
 
@@ -83,5 +85,7 @@ def _block_size(value: Any) -> tuple[int, int] | None:
         return None
     ok = isinstance(value, (list, tuple)) and len(value) == 2
     if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
-        raise ValueError(f"fp8 quantization_config.weight_block_size must be two positive integers, got {value!r}")
+        raise ValueError(
+            f"config.json's fp8 quantization_config.weight_block_size must be two positive integers, got {value!r}"
+        )
     return int(value[0]), int(value[1])

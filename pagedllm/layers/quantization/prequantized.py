@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
-from pagedllm.layers.quantization.int8 import PerChannelInt8Method, Int8Layer, quantize_per_channel
+from pagedllm.layers.quantization.int8 import Int8Layer, PerChannelInt8Method, quantize_per_channel
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.layers.sharding import ShardId
 
