@@ -131,3 +131,30 @@ def test_4bit_dequantize_matches_bitsandbytes(kind: str, nested: bool) -> None:
     q, state = bnb.quantize_4bit(w, blocksize=64, quant_type=kind, compress_statistics=nested)
     parts = {"weight": q, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
     torch.testing.assert_close(dequantize_4bit("m", parts), bnb.dequantize_4bit(q, state), rtol=0, atol=1e-6)
+
+
+def test_a_layer_the_checkpoint_left_float_is_quantized_on_arrival_and_the_head_stays_float() -> None:
+    """A linear in the ignore list arrives float: per-channel int8 like --quantization int8. A
+    quantized LM head (not in the ignore list) is widened back to float32."""
+    from pagedllm.layers.embedding import ParallelLMHead
+    from pagedllm.layers.quantization.int8 import quantize_per_channel
+
+    quant_config, pack, _ = FORMATS["fp8-block"]
+    config = get_quantization_config("fp8", quant_config)
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(4))
+    layer = RowParallelLinear(96, 48, quant_config=config)
+    (name, tensor), *rest = config.convert_checkpoint(iter([("m.weight", w)]))
+    assert name == "m.weight" and tensor is w and not rest  # passed through untouched
+    layer.weight.weight_loader(layer.weight, tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    q, scale = quantize_per_channel(w)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), x @ (q.float() * scale[:, None]).T, rtol=1e-4, atol=1e-4)
+
+    head = ParallelLMHead(48, 96, quant_config=config)
+    stored, deq = pack(torch.randn(48, 96) / 8)
+    [(_, scaled)] = config.convert_checkpoint(_stream("lm_head", stored))
+    head.weight.weight_loader(head.weight, scaled)
+    assert head.weight.dtype == torch.float32
+    step = torch.from_numpy(np.abs(deq).max(axis=1) / 127).float()
+    assert ((head.weight.data - torch.from_numpy(deq)).abs() <= step[:, None] / 2 + 1e-6).all()
