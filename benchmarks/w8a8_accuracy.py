@@ -101,17 +101,28 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def measure(model_dir: Path, tokens: int, method: str) -> dict[str, Any]:
     engines = {m: LLM(str(model_dir), quantization=m, max_num_batched_tokens=4096) for m in (None, method)}
-    tokenizer = engines[None].llm_engine.get_tokenizer()
+    return {
+        "model": str(model_dir),
+        "method": method,
+        "tokens": tokens,
+        "env": env_line(environment()),
+        "prompts": compare(engines[None], engines[method], tokens),
+    }
+
+
+def compare(reference: LLM, quantized: LLM, tokens: int) -> list[dict[str, Any]]:
+    """Per prompt: ``quantized``'s logits error and greedy agreement against ``reference``'s."""
+    tokenizer = reference.llm_engine.get_tokenizer()
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
         for p in PROMPTS
     ]
     prompts = [tokenizer.encode(t, add_special_tokens=False) for t in texts]
-    ref, got = (greedy(engines[m], prompts, tokens) for m in (None, method))
+    ref, got = (greedy(engine, prompts, tokens) for engine in (reference, quantized))
     per_prompt = []
     for text, prompt, ref_tokens, w8_tokens in zip(PROMPTS, prompts, ref, got):
         seq = prompt + ref_tokens
-        fp32, w8 = (teacher_forced_logits(engines[m], seq)[len(prompt) - 1 : -1] for m in (None, method))
+        fp32, w8 = (teacher_forced_logits(e, seq)[len(prompt) - 1 : -1] for e in (reference, quantized))
         rel = ((w8 - fp32).norm(dim=-1) / fp32.norm(dim=-1)).tolist()
         per_prompt.append(
             {
@@ -126,13 +137,7 @@ def measure(model_dir: Path, tokens: int, method: str) -> dict[str, Any]:
                 "quantized_text": tokenizer.decode(w8_tokens),
             }
         )
-    return {
-        "model": str(model_dir),
-        "method": method,
-        "tokens": tokens,
-        "env": env_line(environment()),
-        "prompts": per_prompt,
-    }
+    return per_prompt
 
 
 def main() -> None:

@@ -14,8 +14,9 @@ DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)  # what --dtype / dtype= accept
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py reads this table
-# Checkpoint formats: config.json's quantization_config.quant_method (layers/quantization/checkpoint.py).
-CHECKPOINT_QUANT_METHODS = ("awq", "gptq")
+# Checkpoint formats: config.json's quantization_config.quant_method (layers/quantization/checkpoint.py,
+# CHECKPOINT_FORMATS): awq and gptq on the int4 kernel, the others converted onto int8 / w8a8 at load.
+CHECKPOINT_QUANT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes")
 # layers/quantization/ (QUANTIZATION_CONFIGS, then the checkpoint formats)
 QUANTIZATION_METHODS = ("int8", "w8a8", "int4", *CHECKPOINT_QUANT_METHODS)
 SCHEDULING_POLICIES = ("fcfs", "priority")

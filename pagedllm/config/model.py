@@ -34,7 +34,7 @@ class ModelConfig:
     trust_remote_code: bool
     served_model_name: str
     # None | int8 (weight-only) | w8a8 (int8 weights and activations) | int4 (group-wise weight-only)
-    # | awq | gptq (from the checkpoint's quantization_config); CPU float32
+    # | a quantized checkpoint's quant_method (CHECKPOINT_QUANT_METHODS, read from config.json); CPU float32
     quantization: str | None = None
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     runner: str = "generate"  # generate | pooling (config/pooler.py)
@@ -98,9 +98,10 @@ class ModelArgs:
         "int8: weight-only int8 linear layers with per-channel scales (CPU, float32): a quarter of the "
         "weight bytes, faster small-batch decode; int4: weight-only group-wise int4 (groups of 128 inputs, "
         "a scale and zero point each): an eighth of the bytes; w8a8: int8 weights and per-token int8 "
-        "activations (int8 dot products), faster large-batch decode and prefill; awq / gptq: 4-bit AWQ "
-        "and GPTQ checkpoints, chosen by default from config.json's quantization_config and run on the "
-        "int4 kernel; the LM head stays float32",
+        "activations (int8 dot products), faster large-batch decode and prefill; the LM head stays float32. "
+        "Quantized checkpoints are detected from config.json's quantization_config (naming their method "
+        "here is optional): awq / gptq run on the int4 kernel; fp8, compressed-tensors and bitsandbytes "
+        "load onto the int8 layers",
         choices=QUANTIZATION_METHODS,
         default_help="off",
         aliases=("-q",),
@@ -133,7 +134,7 @@ class ModelArgs:
     def create_model_config(self, model_dir: str, arch: ModelArchConfig, device: str, load_format: str) -> ModelConfig:
         check_architecture(arch)
         dtype = resolve_dtype(self.dtype, arch, device)
-        quantization = resolve_quantization(self.quantization, arch.extra.get("quantization_config"))
+        quantization = resolve_quantization(self.quantization, arch)
         check_quantization(quantization, device, dtype)
         check_max_logprobs(self.max_logprobs)
         return ModelConfig(
@@ -170,39 +171,49 @@ def resolve_dtype(dtype: str, arch: ModelArchConfig, device: str) -> str:
     return "bfloat16" if checkpoint in (None, "float32") else checkpoint
 
 
-def resolve_quantization(requested: str | None, checkpoint: object) -> str | None:
-    """The weight format: the checkpoint's ``quantization_config.quant_method`` when it has one
-    (an explicit ``requested`` must agree), else ``requested``."""
-    method = checkpoint.get("quant_method") if isinstance(checkpoint, dict) else None
+def checkpoint_quant_method(arch: ModelArchConfig) -> str | None:
+    """config.json's ``quantization_config.quant_method`` (None: a float checkpoint)."""
+    quant_config = arch.extra.get("quantization_config")
+    if quant_config is None:
+        return None
+    method = quant_config.get("quant_method") if isinstance(quant_config, dict) else None
+    if not isinstance(method, str):
+        raise ValueError(f"config.json's quantization_config has no quant_method (a string); got {quant_config!r}")
+    return method.lower()
+
+
+def resolve_quantization(requested: str | None, arch: ModelArchConfig) -> str | None:
+    """The weight format to load with: the checkpoint's quant_method when config.json has one
+    (``requested`` may only repeat it), else ``requested``."""
+    method = checkpoint_quant_method(arch)
     if method is None:
         if requested in CHECKPOINT_QUANT_METHODS:
             raise ValueError(
-                f"quantization={requested!r} reads a {requested} checkpoint, but config.json has no "
-                "quantization_config; drop the quantization option or pass a quantized checkpoint"
+                f"quantization={requested!r} loads pre-quantized checkpoints, but config.json has no "
+                "quantization_config; drop it (or pass int8 / w8a8 to quantize this float checkpoint at load)"
             )
         return requested
-    method = str(method).lower()
     if method not in CHECKPOINT_QUANT_METHODS:
         raise ValueError(
-            f"the checkpoint's quantization_config.quant_method {method!r} is not supported; "
-            f"supported checkpoint formats: {', '.join(CHECKPOINT_QUANT_METHODS)}"
+            f"config.json's quantization_config.quant_method {method!r} is not supported; "
+            f"supported: {', '.join(CHECKPOINT_QUANT_METHODS)}"
         )
-    if requested is not None and requested != method:
+    if requested not in (None, method):
         raise ValueError(
-            f"quantization={requested!r} disagrees with the checkpoint's quantization_config.quant_method "
-            f"{method!r}; drop the quantization option (the checkpoint's format is used) or pass {method!r}"
+            f"quantization={requested!r} disagrees with the checkpoint, whose config.json has "
+            f"quantization_config.quant_method {method!r}; drop the quantization option or pass {method!r}"
         )
     return method
 
 
 def check_quantization(quantization: str | None, device: str, dtype: str) -> None:
-    """The quantized methods are CPU kernels that take and return float32 activations."""
+    """The quantized methods (and the checkpoint formats, which load onto them) are CPU kernels
+    that take and return float32 activations."""
     if quantization is None:
         return
-    if quantization not in QUANTIZATION_METHODS:
-        raise ValueError(
-            f"quantization must be None (off) or one of {', '.join(QUANTIZATION_METHODS)}; got {quantization!r}"
-        )
+    known = QUANTIZATION_METHODS
+    if quantization not in known:
+        raise ValueError(f"quantization must be None (off) or one of {', '.join(known)}; got {quantization!r}")
     if device != "cpu":
         raise ValueError(
             f"quantization={quantization!r} runs on CPU only, the device is {device}; "

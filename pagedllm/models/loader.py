@@ -10,8 +10,10 @@ import torch
 from torch import nn
 
 from pagedllm.config.choices import LOAD_FORMATS
+from pagedllm.config.model import resolve_quantization
 from pagedllm.gguf_config import is_gguf_file, read_metadata, resolve_checkpoint
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
+from pagedllm.layers.quantization.prequantized import PrequantizedConfig
 from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.gguf_loader import iterate_gguf
 from pagedllm.models.registry import resolve_model_cls
@@ -46,16 +48,25 @@ def load_model(
     """The model for ``arch`` in eval mode without gradients, its weights from ``model_dir``
     ("auto"/"safetensors"; "auto"/"gguf" for a .gguf file, dequantized to ``dtype``) or random
     ("dummy", seeded by ``seed``; no files needed). ``quantization`` names the weight format
-    (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included."""
+    (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included.
+    A pre-quantized checkpoint (config.json's quantization_config) loads in its own format."""
+    quantization = resolve_quantization(quantization, arch)
     quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"))
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
+    # awq / gptq dummy weights are random packed bits; the converting formats need real tensors.
+    if load_format == "dummy" and isinstance(quant_config, PrequantizedConfig):
+        raise ValueError(
+            f"load_format='dummy' cannot fill the layers of a pre-quantized ({quantization}) checkpoint; "
+            "load its weights, or use a float config.json for random weights"
+        )
     weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
     model = build_model(arch, dtype, device, quant_config)
     if weights is None:
         init_dummy_weights(model, seed)
     else:
-        _load_checkpoint(model, weights(owned_by(model, missing_prefixes(model))), model_dir)
+        stream = weights(owned_by(model, missing_prefixes(model)))
+        _load_checkpoint(model, quant_config.convert_checkpoint(stream), model_dir)
     process_weights_after_loading(model)
     return model.eval().requires_grad_(False)
 

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+# The pre-quantized checkpoint formats register themselves on import.
+from pagedllm.layers.quantization import bitsandbytes, compressed_tensors, fp8  # noqa: F401
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.checkpoint import CHECKPOINT_FORMATS, checkpoint_quant_config
 from pagedllm.layers.quantization.int4 import Int4Config

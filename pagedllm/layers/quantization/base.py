@@ -11,7 +11,7 @@ its shard, and a new format (AWQ, GPTQ, FP8, GGUF) is one more module in this pa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
@@ -73,3 +73,8 @@ class QuantizationConfig(ABC):
     def get_lm_head_method(self) -> LinearMethodBase:
         """A fresh method for the LM head (formats so far keep it unquantized: its logits are
         what sampling reads)."""
+
+    def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) stream as this format's parameters take it (default: as
+        stored; a pre-quantized checkpoint's format rewrites its layers one at a time)."""
+        return weights

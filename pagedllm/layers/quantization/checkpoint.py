@@ -2,9 +2,11 @@
 
 As in vLLM, a checkpoint quantized by another tool says how in ``quantization_config``; each
 format registers a builder that turns that dict into its :class:`QuantizationConfig` (with a
-ValueError for settings it cannot run). The format names are also the ``--quantization``
-values that name them (``config/choices.CHECKPOINT_QUANT_METHODS``, checked by a test), and the
-engine config picks the format from the checkpoint (``config/model.resolve_quantization``).
+ValueError for settings it cannot run): awq and gptq run on the int4 kernel; fp8,
+compressed-tensors and bitsandbytes convert onto the int8 / w8a8 layers as they load
+(``prequantized.py``). The format names are also ``--quantization`` values
+(``config/choices.CHECKPOINT_QUANT_METHODS``, checked by a test), and the engine config picks the
+format from the checkpoint (``config/model.resolve_quantization``).
 """
 
 from __future__ import annotations
@@ -21,9 +23,14 @@ CheckpointConfigBuilder = Callable[[dict[str, Any]], QuantizationConfig]
 CHECKPOINT_FORMATS: dict[str, CheckpointConfigBuilder] = {}
 
 
-def register(quant_method: str, builder: CheckpointConfigBuilder) -> None:
-    """Read checkpoints whose ``quantization_config.quant_method`` is ``quant_method`` with ``builder``."""
-    CHECKPOINT_FORMATS[quant_method] = builder
+def register(quant_method: str) -> Callable[[CheckpointConfigBuilder], CheckpointConfigBuilder]:
+    """Decorator: ``builder`` reads the checkpoints whose quant_method is ``quant_method``."""
+
+    def add(builder: CheckpointConfigBuilder) -> CheckpointConfigBuilder:
+        CHECKPOINT_FORMATS[quant_method] = builder
+        return builder
+
+    return add
 
 
 def checkpoint_quant_config(quant_method: str, config: dict[str, Any] | None) -> QuantizationConfig:
@@ -34,7 +41,7 @@ def checkpoint_quant_config(quant_method: str, config: dict[str, Any] | None) ->
             f"quantization_config.quant_method {quant_method!r} is not supported; "
             f"supported: {', '.join(CHECKPOINT_FORMATS)}"
         )
-    if not config or config.get("quant_method", "").lower() != quant_method:
+    if not config or str(config.get("quant_method", "")).lower() != quant_method:
         raise ValueError(
             f"quantization={quant_method!r} reads a {quant_method} checkpoint, but config.json has no "
             f"quantization_config with quant_method {quant_method!r}"
@@ -42,5 +49,5 @@ def checkpoint_quant_config(quant_method: str, config: dict[str, Any] | None) ->
     return CHECKPOINT_FORMATS[quant_method](config)
 
 
-register("awq", AWQConfig.from_config)
-register("gptq", GPTQConfig.from_config)
+register("awq")(AWQConfig.from_config)
+register("gptq")(GPTQConfig.from_config)

@@ -99,7 +99,7 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([body, tail])
 
 
-class _Int8Layer(Protocol):
+class Int8Layer(Protocol):
     """The attributes of a layer this method owns (``nn.Module`` types them as tensor or module)."""
 
     weight: torch.Tensor
@@ -141,13 +141,18 @@ class PerChannelInt8Method(LinearMethodBase):
         """Whether the format's kernel takes the float weight ``w`` [out, in]."""
 
     @abstractmethod
+    def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Replace ``layer.weight`` by the format's layout of Q [out, in] int8 (W ~ Q * scale[:, None])
+        and set its buffers; pre-quantized checkpoints arrive here with their own Q and scale."""
+
     def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
-        """Replace ``layer.weight`` by the format's int8 weights (and set its buffers)."""
+        """Quantize the float weight ``w`` per output channel and ``store`` it."""
+        self.store(layer, *quantize_per_channel(w))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.quantized:
             return
-        typed = cast(_Int8Layer, layer)
+        typed = cast(Int8Layer, layer)
         w = typed.weight.data
         if not self.can_take(w):
             logger.warning(
@@ -179,16 +184,15 @@ class Int8LinearMethod(PerChannelInt8Method):
     def can_take(self, w: torch.Tensor) -> bool:
         return can_quantize(w)
 
-    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
-        typed = cast(_Int8Layer, layer)
-        packed, typed.weight_scale = quantize_and_pack(w)
-        typed.weight = nn.Parameter(packed, requires_grad=False)
+    def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        typed = cast(Int8Layer, layer)
+        typed.weight, typed.weight_scale = nn.Parameter(pack_int8(q), requires_grad=False), scale
         kernel = load_int8_gemm()
         assert kernel is not None, "can_quantize checked that the kernel built"
         self._kernel = kernel
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        typed = cast(_Int8Layer, layer)
+        typed = cast(Int8Layer, layer)
         return self._kernel(x, typed.weight, typed.weight_scale, bias)
 
 

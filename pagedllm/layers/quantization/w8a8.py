@@ -31,7 +31,7 @@ from torch import nn
 from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
-from pagedllm.layers.quantization.int8 import PerChannelInt8Method, quantize_per_channel
+from pagedllm.layers.quantization.int8 import PerChannelInt8Method
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 _QMAX = 127
@@ -118,9 +118,9 @@ class W8A8LinearMethod(PerChannelInt8Method):
     def can_take(self, w: torch.Tensor) -> bool:
         return can_quantize(w)
 
-    def quantize(self, layer: nn.Module, w: torch.Tensor) -> None:
+    def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         typed = cast(_W8A8Layer, layer)
-        q, typed.weight_scale = quantize_per_channel(w)
+        typed.weight_scale = scale
         layer.register_buffer("weight_comp", compensation(q), persistent=False)
         typed.weight = nn.Parameter(pack_w8a8(q), requires_grad=False)
         kernel = load_w8a8_gemm()

@@ -1,0 +1,181 @@
+"""compressed-tensors checkpoints (``quant_method: compressed-tensors``, llm-compressor's output).
+
+``config_groups`` name a weight scheme (``num_bits``, ``type`` int | float, ``strategy`` channel |
+group | block | tensor, ``symmetric``, ``group_size`` / ``block_structure``) and optionally
+``input_activations`` for the ``targets`` (Linear); modules in ``ignore`` (lm_head) stay float.
+Each quantized linear stores ``weight`` (``weight_packed`` + ``weight_shape`` when packed) with
+``weight_scale`` (W = Q * scale) and, asymmetric, ``weight_zero_point`` (W = (Q - zp) * scale).
+
+What loads, and on which CPU method:
+
+- ``int-quantized`` W8A8 (int8 weights, int8 dynamic per-token activations) -> w8a8; a static
+  ``input_scale`` is dropped and the activations are quantized per token at run time instead.
+- ``naive-quantized`` / ``pack-quantized`` W8A16 (int8 weights, float activations) -> int8.
+- ``float-quantized`` FP8 (per channel, per tensor or 128x128 blocks) -> int8, requantized as
+  in ``fp8.py``; FP8 activation quantization does not happen on CPU.
+
+Symmetric int8 per channel loads exactly (its Q and scales are the kernel's); every other int8
+scheme (groups, blocks, a zero point, which folds into the float weight) is dequantized per layer
+and requantized per output channel. 4-bit (W4A16 ``pack-quantized``) needs an int4 method:
+:func:`refuse_int4` is where it will be wired.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedllm.layers.quantization.base import QuantizationConfig
+from pagedllm.layers.quantization.checkpoint import register
+from pagedllm.layers.quantization.fp8 import FP8_DTYPES
+from pagedllm.layers.quantization.int8 import Int8LinearMethod, PerChannelInt8Method, quantize_per_channel
+from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, expand_scale
+from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
+
+INT_FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
+FORMATS = (*INT_FORMATS, "float-quantized")
+STRATEGIES = ("channel", "group", "block", "tensor")
+_WHERE = "config.json's compressed-tensors quantization_config"
+
+
+class CompressedTensorsConfig(PrequantizedConfig):
+    name = "compressed-tensors"
+
+
+class CompressedScheme(CheckpointScheme):
+    """One weight scheme for every quantized linear of the checkpoint."""
+
+    weight_suffixes = ("weight", "weight_packed")
+    companions = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+    dropped = ("input_scale", "input_zero_point")
+
+    def __init__(self, weights: dict[str, Any]) -> None:
+        self.num_bits, self.is_float = int(weights["num_bits"]), weights.get("type", "int") == "float"
+        self.strategy, self.symmetric = weights.get("strategy", "tensor"), bool(weights.get("symmetric", True))
+        # Checked by _check_weights: a positive int for "group", two ints for "block".
+        self.group_size: int = weights.get("group_size") or 0
+        self.block_structure: list[int] = weights.get("block_structure") or []
+
+    def is_quantized(self, suffix: str, tensor: torch.Tensor) -> bool:
+        return suffix == "weight_packed" or tensor.dtype == torch.int8 or tensor.dtype in FP8_DTYPES
+
+    def ready(self, parts: dict[str, torch.Tensor]) -> bool:
+        packed = "weight_packed" in parts and "weight_shape" in parts
+        needed = "weight_scale" in parts and (self.symmetric or "weight_zero_point" in parts)
+        return needed and ("weight" in parts or packed)
+
+    def block(self, shape: torch.Size) -> tuple[int, int]:
+        """The scale's block (rows, cols) for a weight of ``shape`` under this strategy."""
+        n, k = shape
+        if self.strategy == "channel":
+            return 1, k
+        if self.strategy == "group":
+            return 1, int(self.group_size)
+        if self.strategy == "block":
+            return int(self.block_structure[0]), int(self.block_structure[1])
+        return n, k
+
+    def to_int8(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "weight_g_idx" in parts:
+            raise ValueError(f"{prefix}.weight_g_idx: activation-ordered groups (actorder) are not supported")
+        q = self.codes(prefix, parts)
+        scale = parts["weight_scale"]
+        if self.exact(q, scale, parts):
+            return q, scale.float().reshape(-1)
+        where = f"{prefix}.weight_scale"
+        w = q.float()
+        if not self.symmetric:
+            w -= expand_scale(parts["weight_zero_point"], q.shape, self.block(q.shape), f"{prefix}.weight_zero_point")
+        return quantize_per_channel(w * expand_scale(scale, q.shape, self.block(q.shape), where))
+
+    def exact(self, q: torch.Tensor, scale: torch.Tensor, parts: dict[str, torch.Tensor]) -> bool:
+        """Symmetric int8 per channel: Q and the scales are already the kernel's."""
+        per_row = scale.numel() == q.shape[0] and self.strategy == "channel"
+        return per_row and q.dtype == torch.int8 and self.symmetric and bool(q.ne(-128).all())
+
+    def codes(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Q [out, in]: int8 (unpacked when packed) or float8."""
+        if "weight" in parts:
+            q = parts["weight"]
+            want = FP8_DTYPES if self.is_float else (torch.int8,)
+            if q.dtype not in want or q.dim() != 2:
+                raise ValueError(f"{prefix}.weight is {q.dtype} {tuple(q.shape)}; this scheme stores 2-D {want[0]}")
+            return q
+        shape = parts["weight_shape"].tolist()
+        return unpack_int32(parts["weight_packed"], self.num_bits, (int(shape[0]), int(shape[1])), prefix)
+
+
+def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], prefix: str) -> torch.Tensor:
+    """compressed-tensors' ``pack_to_int32`` undone: 32 / num_bits values per int32 along the
+    input dim, lowest bits first, each stored as Q + 2^(num_bits - 1)."""
+    per_word = 32 // num_bits
+    n, k = shape
+    if packed.dtype != torch.int32 or tuple(packed.shape) != (n, -(-k // per_word)):
+        raise ValueError(
+            f"{prefix}.weight_packed is {packed.dtype} {tuple(packed.shape)}; a {shape} weight of "
+            f"{num_bits}-bit values packs into int32 {(n, -(-k // per_word))}"
+        )
+    shifts = torch.arange(per_word, dtype=torch.int32) * num_bits
+    values = (packed.unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)
+    return (values.reshape(n, -1)[:, :k] - (1 << (num_bits - 1))).to(torch.int8)
+
+
+def refuse_int4(num_bits: object) -> None:
+    """The one place 4-bit compressed-tensors (W4A16 pack-quantized) is refused until an int4
+    method exists (the unpacking above already handles 4 bits)."""
+    if num_bits == 4:
+        raise ValueError(
+            f"{_WHERE}: 4-bit int weights (W4A16 pack-quantized) are not supported yet; "
+            "supported: 8-bit int (W8A8, W8A16) and 8-bit float (FP8)"
+        )
+
+
+@register("compressed-tensors")
+def parse_compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
+    weights, activations, fmt = _single_scheme(config)
+    _check_weights(weights, fmt)
+    if weights.get("type", "int") == "int" and activations is not None and activations.get("type", "int") == "int":
+        target: type[PerChannelInt8Method] = W8A8LinearMethod
+    else:
+        target = Int8LinearMethod  # weight-only, or FP8 activations (which stay float32 on CPU)
+    return CompressedTensorsConfig(CompressedScheme(weights), target)
+
+
+def _single_scheme(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
+    """(weights, input_activations, format) shared by every config group (all we load)."""
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{_WHERE} has no config_groups")
+    schemes = {repr((g.get("weights"), g.get("input_activations"), g.get("format"))) for g in groups.values()}
+    if len(schemes) > 1:
+        raise ValueError(f"{_WHERE}: config groups with different schemes are not supported; found {len(schemes)}")
+    group = next(iter(groups.values()))
+    for target in group.get("targets", []):
+        if target != "Linear" and not str(target).startswith("re:"):
+            raise ValueError(f"{_WHERE}: target {target!r} is not supported; only Linear layers are quantized")
+    weights = group.get("weights")
+    if not isinstance(weights, dict):
+        raise ValueError(f"{_WHERE}: config group has no weights scheme")
+    return weights, group.get("input_activations"), str(group.get("format") or config.get("format"))
+
+
+def _check_weights(weights: dict[str, Any], fmt: str) -> None:
+    kind, bits, strategy = weights.get("type", "int"), weights.get("num_bits", 0), weights.get("strategy", "tensor")
+    if fmt not in FORMATS:
+        raise ValueError(f"{_WHERE}: format {fmt!r} is not supported; supported: {', '.join(FORMATS)}")
+    if (kind == "float") != (fmt == "float-quantized"):
+        raise ValueError(f"{_WHERE}: format {fmt!r} does not hold {kind} weights")
+    if kind == "int":
+        refuse_int4(bits)
+    if bits != 8 or kind not in ("int", "float"):
+        raise ValueError(f"{_WHERE}: {bits}-bit {kind} weights are not supported; supported: 8-bit int or float")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"{_WHERE}: weight strategy {strategy!r} is not supported; supported: {', '.join(STRATEGIES)}")
+    if strategy == "group" and not (isinstance(weights.get("group_size"), int) and weights["group_size"] > 0):
+        raise ValueError(f"{_WHERE}: strategy 'group' needs a positive group_size, got {weights.get('group_size')!r}")
+    block = weights.get("block_structure")
+    if strategy == "block" and not (isinstance(block, list) and len(block) == 2):
+        raise ValueError(f"{_WHERE}: strategy 'block' needs block_structure [rows, cols], got {block!r}")
+    if weights.get("dynamic"):
+        raise ValueError(f"{_WHERE}: dynamic weight quantization is not a stored checkpoint")

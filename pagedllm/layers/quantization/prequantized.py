@@ -1,0 +1,224 @@
+"""Pre-quantized checkpoints on the int8 per-output-channel layers (``int8.py`` / ``w8a8.py``).
+
+A pre-quantized checkpoint (FP8, compressed-tensors, bitsandbytes) stores each linear weight in
+its own code (fp8 blocks, int8 groups, 4-bit nibbles) with its own scales. On CPU the kernels we
+have take int8 weights with one float32 scale per output row, so each format is a
+:class:`CheckpointScheme` that reads one layer's tensors and hands back that form: exactly when the
+checkpoint already is int8 per channel (compressed-tensors W8A8/W8A16 channel-wise, bitsandbytes
+8-bit), otherwise by dequantizing that one layer to float32 and quantizing it per channel again
+(``quantize_per_channel``: an error of at most half a step of the row's max / 127 per weight).
+
+:func:`convert_checkpoint` does that on the checkpoint's tensor stream, one layer at a time, so
+no float32 copy of the model ever exists: the layers' parameters are int8 from the start
+(:class:`PrequantizedInt8Method`) and each converted weight travels as a :class:`ScaledInt8`, an
+int8 tensor carrying its scales. A linear layer the checkpoint left in float (its ignore list) is
+quantized per channel on arrival, as ``--quantization int8`` would. The LM head stays float32
+(:class:`DequantizingHeadMethod` widens it, should a checkpoint have quantized it).
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from typing import cast
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
+from pagedllm.layers.quantization.int8 import Int8Layer, PerChannelInt8Method, quantize_per_channel
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagedllm.layers.sharding import ShardId
+
+logger = logging.getLogger(__name__)
+
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+class ScaledInt8(torch.Tensor):
+    """Q [out, in] int8 with ``row_scale`` [out] float32 (W ~ Q * row_scale[:, None]): one
+    converted checkpoint weight on its way to a :class:`PrequantizedInt8Method`'s loader."""
+
+    row_scale: torch.Tensor
+
+
+def scaled_int8(q: torch.Tensor, scale: torch.Tensor) -> ScaledInt8:
+    if q.dtype != torch.int8 or q.dim() != 2 or scale.shape != (q.shape[0],):
+        raise AssertionError(f"a converted weight is int8 [out, in] with [out] scales, got {q.dtype} {tuple(q.shape)}")
+    out = q.as_subclass(ScaledInt8)
+    out.row_scale = scale.float().contiguous()
+    return out
+
+
+def split_scaled(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Q int8, scale [out]) of a checkpoint weight: a converted one as is, a float one (a layer
+    the checkpoint left unquantized) quantized per channel now."""
+    if isinstance(loaded, ScaledInt8):
+        return loaded.as_subclass(torch.Tensor), loaded.row_scale
+    if not loaded.is_floating_point():
+        raise ValueError(f"a {loaded.dtype} weight came without the scales that dequantize it")
+    return quantize_per_channel(loaded)
+
+
+def dequantize_scaled(loaded: torch.Tensor) -> torch.Tensor:
+    """A float weight for a float parameter: a :class:`ScaledInt8` widened, anything else as is."""
+    if isinstance(loaded, ScaledInt8):
+        return loaded.as_subclass(torch.Tensor).float() * loaded.row_scale[:, None]
+    return loaded
+
+
+def expand_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int], what: str) -> torch.Tensor:
+    """``scale`` [ceil(out / bn), ceil(in / bk)] (one per block of ``block`` = (bn, bk)) repeated
+    to ``shape`` [out, in]; channel (bn = 1, bk = in), group (bn = 1) and per-tensor scales are
+    blocks too. ValueError naming ``what`` (the tensor) when its shape does not fit."""
+    (n, k), (bn, bk) = shape, block
+    want = (-(-n // bn), -(-k // bk))
+    if scale.numel() != want[0] * want[1]:
+        raise ValueError(
+            f"{what} has shape {tuple(scale.shape)}; a weight of shape {(n, k)} in blocks of {block} needs {want}"
+        )
+    grid = scale.float().reshape(want)
+    return grid.repeat_interleave(bn, dim=0)[:n].repeat_interleave(bk, dim=1)[:, :k]
+
+
+class CheckpointScheme(ABC):
+    """How one format stores a quantized linear weight: the tensors that make up one layer
+    (``<module>.<suffix>``) and the conversion to int8 per output channel."""
+
+    weight_suffixes: tuple[str, ...] = ("weight",)  # the quantized weight's own name(s)
+    companions: tuple[str, ...] = ()  # scales and metadata that belong to the weight
+    dropped: tuple[str, ...] = ()  # tensors read and ignored on CPU (say why in the format)
+
+    @abstractmethod
+    def is_quantized(self, suffix: str, tensor: torch.Tensor) -> bool:
+        """Whether this weight tensor is stored quantized (a float one is a layer left in float)."""
+
+    @abstractmethod
+    def ready(self, parts: dict[str, torch.Tensor]) -> bool:
+        """Whether ``parts`` (suffix -> tensor) holds everything ``to_int8`` needs."""
+
+    @abstractmethod
+    def to_int8(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Q [out, in] int8, scale [out] float32) of the layer ``prefix`` (used in errors)."""
+
+    def split(self, name: str) -> tuple[str, str] | None:
+        """(module, suffix) when ``name`` is one of this scheme's tensors, else None."""
+        for suffix in sorted(self.weight_suffixes + self.companions + self.dropped, key=len, reverse=True):
+            if name.endswith("." + suffix):
+                return name[: -len(suffix) - 1], suffix
+        return None
+
+
+def convert_checkpoint(weights: Weights, scheme: CheckpointScheme) -> Weights:
+    """The checkpoint's stream with every quantized layer's tensors replaced by one
+    ``<module>.weight`` :class:`ScaledInt8`; other tensors pass through. A layer's tensors wait
+    (they are small: quantized) until all have arrived, in whatever order the files hold them."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        split = scheme.split(name)
+        if split is None or (split[1] in scheme.weight_suffixes and not scheme.is_quantized(split[1], tensor)):
+            yield name, tensor
+            continue
+        prefix, suffix = split
+        if suffix in scheme.dropped:
+            continue
+        parts = pending.setdefault(prefix, {})
+        parts[suffix] = tensor
+        if scheme.ready(parts):
+            del pending[prefix]
+            yield f"{prefix}.weight", scaled_int8(*scheme.to_int8(prefix, parts))
+    if pending:
+        raise ValueError(f"incomplete quantized layers in the checkpoint: {_incomplete(pending)}")
+
+
+def _incomplete(pending: dict[str, dict[str, torch.Tensor]]) -> str:
+    listed = [f"{prefix} (has only {', '.join(sorted(parts))})" for prefix, parts in sorted(pending.items())]
+    return "; ".join(listed[:5]) + (f"; ... and {len(listed) - 5} more" if len(listed) > 5 else "")
+
+
+class PrequantizedInt8Method(LinearMethodBase):
+    """``weight`` [out, in] int8 and ``weight_scale`` [out] float32 filled straight from the
+    converted checkpoint (each cut to this rank's shard by the layer's loader: a row's scale does
+    not depend on how its inputs are split); after loading, ``target`` (int8 weight-only or
+    w8a8) lays them out for its kernel and becomes the layer's method."""
+
+    def __init__(self, target: PerChannelInt8Method) -> None:
+        self.target = target
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        out = sum(output_sizes)
+        weight = nn.Parameter(torch.empty(out, input_size, dtype=torch.int8), requires_grad=False)
+        scale = torch.empty(out, dtype=torch.float32)
+        scale.output_dim, scale.input_dim = 0, None  # type: ignore[attr-defined]  # loader metadata
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            q, row_scale = split_scaled(loaded)
+            weight_loader(param, q, shard_id)
+            weight_loader(layer.weight_scale, row_scale, shard_id)
+
+        set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=load)
+        layer.register_parameter("weight", weight)
+        layer.register_buffer("weight_scale", scale, persistent=False)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        typed = cast(Int8Layer, layer)
+        q, scale = typed.weight.data, typed.weight_scale
+        # A float32 stand-in of Q's shape (no memory): what the target's kernel check reads.
+        if self.target.can_take(torch.empty((1, 1), device=q.device).expand(q.shape)):
+            self.target.store(layer, q, scale)
+            self.target.quantized = True
+            typed.quant_method = self.target
+            return
+        logger.warning(
+            "%s layer of shape %s runs in float32 (its kernel needs %s)",
+            self.target.format_name,
+            tuple(q.shape),
+            self.target.requirements,
+        )
+        typed.weight = nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+        typed.quant_method = UnquantizedLinearMethod()
+        typed.quant_method.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise RuntimeError("a pre-quantized layer runs only after its quant_method.process_weights_after_loading")
+
+
+class DequantizingHeadMethod(UnquantizedLinearMethod):
+    """The float LM head of a pre-quantized model: a head the checkpoint quantized is widened."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            weight_loader(param, dequantize_scaled(loaded), shard_id)
+
+        super().create_weights(layer, input_size, output_sizes, params_dtype, load)
+
+
+class PrequantizedConfig(QuantizationConfig):
+    """A pre-quantized checkpoint: its ``scheme`` converts the tensors, ``target`` runs them."""
+
+    def __init__(self, scheme: CheckpointScheme, target: type[PerChannelInt8Method]) -> None:
+        self.scheme, self.target = scheme, target
+
+    def get_linear_method(self) -> LinearMethodBase:
+        return PrequantizedInt8Method(self.target())
+
+    def get_lm_head_method(self) -> LinearMethodBase:
+        return DequantizingHeadMethod()
+
+    def convert_checkpoint(self, weights: Weights) -> Weights:
+        return convert_checkpoint(weights, self.scheme)

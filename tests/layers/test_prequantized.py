@@ -1,0 +1,160 @@
+"""Pre-quantized checkpoint formats, one linear layer at a time: the tensors our packer writes
+(``tests/quant_checkpoints.py``) go through the format's checkpoint conversion and the layer's
+loader, and the layer's output is checked against x @ W^T with W dequantized exactly (numpy).
+
+Bounds: a format that is already int8 per channel loads exactly (float rounding only); one that
+is requantized to int8 per channel moves each weight by at most half its row's step (scale / 2),
+so each output may move by at most sum_k |x_k| * scale_n / 2 (checked per element). W8A8 layers
+quantize the activations per token too: their reference is the quantized x times the exact W."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
+from pagedllm.layers.quantization import get_quantization_config
+from pagedllm.layers.quantization.bitsandbytes import dequantize_4bit
+from pagedllm.layers.quantization.int8 import Int8LinearMethod, load_int8_gemm
+from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod, quantize_per_token
+from tests import quant_checkpoints as qc
+
+W8A8 = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
+INT_CHANNEL = {"type": "int", "strategy": "channel"}
+
+
+def ct(fmt: str, weights: dict, activations: dict | None = None) -> dict:
+    group: dict = {"targets": ["Linear"], "weights": {"num_bits": 8, "symmetric": True, **weights}}
+    if activations:
+        group["input_activations"] = activations
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
+
+
+def bnb4(kind: str) -> dict:
+    return {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": kind}
+
+
+# name -> (quantization_config, packer, exact: loads without requantizing)
+FORMATS = {
+    "fp8-block": ({"quant_method": "fp8", "weight_block_size": [16, 32]}, qc.fp8((16, 32)), False),
+    "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "static"}, qc.fp8(None, "weight_scale"), False),
+    "ct-w8a8": (ct("int-quantized", INT_CHANNEL, W8A8), qc.int8_channel(), True),
+    "ct-w8a16-packed": (ct("pack-quantized", INT_CHANNEL), qc.int8_channel(packed=True), True),
+    "ct-w8a16-group-asym": (
+        ct("naive-quantized", {"type": "int", "strategy": "group", "group_size": 16, "symmetric": False}),
+        qc.int8_channel(symmetric=False, group_size=16),
+        False,
+    ),
+    "ct-fp8-channel": (
+        ct("float-quantized", {"type": "float", "strategy": "channel"}),
+        qc.fp8("channel", "weight_scale"),
+        False,
+    ),
+    "ct-fp8-block": (
+        ct("float-quantized", {"type": "float", "strategy": "block", "block_structure": [16, 32]}),
+        qc.fp8((16, 32), "weight_scale"),
+        False,
+    ),
+    "bnb-int8": ({"quant_method": "bitsandbytes", "load_in_8bit": True}, qc.bnb_int8, True),
+    "bnb-nf4-nested": (bnb4("nf4"), qc.bnb_4bit("nf4", nested=True), False),
+    "bnb-fp4": (bnb4("fp4"), qc.bnb_4bit("fp4", nested=False), False),
+}
+
+
+def _stream(prefix: str, parts: dict[str, torch.Tensor]):
+    # Scales first: a layer's tensors may come in any order.
+    return iter(sorted(((f"{prefix}.{s}", t) for s, t in parts.items()), key=lambda kv: "scale" not in kv[0]))
+
+
+def _loaded_layer(config, layer, packed: dict[str, dict[str, torch.Tensor]]):
+    """Feed each shard's converted tensors through the layer's loader, then process."""
+    for shard, parts in packed.items():
+        for name, tensor in config.convert_checkpoint(_stream(f"m.{shard}", parts)):
+            assert name == f"m.{shard}.weight"
+            layer.weight.weight_loader(layer.weight, tensor, None if shard == "o" else shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fused_qkv_layer_matches_the_exact_dequantized_weights(fmt: str) -> None:
+    quant_config, pack, exact = FORMATS[fmt]
+    config = get_quantization_config(quant_config["quant_method"], quant_config)
+    torch.manual_seed(0)
+    layer = QKVParallelLinear(64, 16, 4, 2, quant_config=config)  # q 64 rows, k and v 32 each
+    weights = {s: torch.randn(n, 64) / 8 for s, n in (("q", 64), ("k", 32), ("v", 32))}
+    packed = {s: pack(w) for s, w in weights.items()}
+    _loaded_layer(config, layer, {s: p[0] for s, p in packed.items()})
+    w = np.concatenate([packed[s][1] for s in "qkv"])
+    _check(layer, w, exact)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-w8a8", "bnb-nf4-nested"])
+def test_row_parallel_layer_with_odd_sizes(fmt: str) -> None:
+    """48 inputs: blocks and 4-bit bytes that do not divide the rows evenly."""
+    quant_config, pack, exact = FORMATS[fmt]
+    config = get_quantization_config(quant_config["quant_method"], quant_config)
+    layer = RowParallelLinear(96, 48, quant_config=config)
+    stored, w = pack(torch.randn(48, 96, generator=torch.Generator().manual_seed(1)) / 8)
+    _check(_loaded_layer(config, layer, {"o": stored}), w, exact)
+
+
+def _check(layer, w: np.ndarray, exact: bool) -> None:
+    if load_int8_gemm() is not None:  # with the kernels built, the layer runs int8 (no float fallback)
+        assert isinstance(layer.quant_method, (Int8LinearMethod, W8A8LinearMethod))
+        assert layer.weight.dtype == torch.int8
+    x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(2))
+    got = layer(x)
+    if isinstance(layer.quant_method, W8A8LinearMethod):
+        qx, sx = quantize_per_token(x)
+        x = qx.float() * sx[:, None]  # what the kernel multiplies
+    want = x @ torch.from_numpy(w).float().T
+    step = torch.from_numpy(np.abs(w).max(axis=1) / 127).float()
+    bound = 1e-4 + (0 if exact else x.abs() @ torch.ones(w.shape[1], 1) * step / 2)
+    assert ((got - want).abs() <= bound + 1e-3 * want.abs()).all(), (got - want).abs().max()
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True])
+def test_4bit_dequantize_matches_bitsandbytes(kind: str, nested: bool) -> None:
+    """Our reading of the serialized NF4 / FP4 state equals bitsandbytes' own dequantize. (Rows
+    of 128: bitsandbytes 0.50's CPU dequantize disagrees with its own quantize when a row is not a
+    multiple of the block, e.g. [48, 80], off by up to 1.7 where ours stays within the code step.)"""
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    w = torch.randn(48, 128, generator=torch.Generator().manual_seed(3))
+    q, state = bnb.quantize_4bit(w, blocksize=64, quant_type=kind, compress_statistics=nested)
+    parts = {"weight": q, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+    torch.testing.assert_close(dequantize_4bit("m", parts), bnb.dequantize_4bit(q, state), rtol=0, atol=1e-6)
+
+
+def test_a_layer_the_checkpoint_left_float_is_quantized_on_arrival_and_the_head_stays_float() -> None:
+    """A linear in the ignore list arrives float: per-channel int8 like --quantization int8. A
+    quantized LM head (not in the ignore list) is widened back to float32."""
+    from pagedllm.layers.embedding import ParallelLMHead
+    from pagedllm.layers.quantization.int8 import quantize_per_channel
+
+    quant_config, pack, _ = FORMATS["fp8-block"]
+    config = get_quantization_config("fp8", quant_config)
+    w = torch.randn(48, 96, generator=torch.Generator().manual_seed(4))
+    layer = RowParallelLinear(96, 48, quant_config=config)
+    (name, tensor), *rest = config.convert_checkpoint(iter([("m.weight", w)]))
+    assert name == "m.weight" and tensor is w and not rest  # passed through untouched
+    layer.weight.weight_loader(layer.weight, tensor)
+    layer.quant_method.process_weights_after_loading(layer)
+    q, scale = quantize_per_channel(w)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(layer(x), x @ (q.float() * scale[:, None]).T, rtol=1e-4, atol=1e-4)
+
+    head = ParallelLMHead(48, 96, quant_config=config)
+    stored, deq = pack(torch.randn(48, 96) / 8)
+    [(_, scaled)] = config.convert_checkpoint(_stream("lm_head", stored))
+    head.weight.weight_loader(head.weight, scaled)
+    assert head.weight.dtype == torch.float32
+    step = torch.from_numpy(np.abs(deq).max(axis=1) / 127).float()
+    assert ((head.weight.data - torch.from_numpy(deq)).abs() <= step[:, None] / 2 + 1e-6).all()
