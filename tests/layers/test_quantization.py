@@ -20,9 +20,25 @@ from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 
 
+_MINIMAL_CHECKPOINT_CONFIGS = {
+    "awq": {"bits": 4, "group_size": 32},
+    "gptq": {"bits": 4, "group_size": 32},
+    "fp8": {"weight_block_size": [128, 128]},
+    "compressed-tensors": {
+        "format": "int-quantized",
+        "config_groups": {
+            "g": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "channel"}}
+        },
+    },
+    "bitsandbytes": {"load_in_8bit": True},
+}
+
+
 def _checkpoint_config(name):
     """A minimal ``quantization_config`` each checkpoint format accepts (None for the others)."""
-    return {"quant_method": name, "bits": 4, "group_size": 32} if name in CHECKPOINT_FORMATS else None
+    if name not in CHECKPOINT_FORMATS:
+        return None
+    return {"quant_method": name, **_MINIMAL_CHECKPOINT_CONFIGS[name]}
 
 
 @pytest.mark.parametrize("name", QUANTIZATION_METHODS)

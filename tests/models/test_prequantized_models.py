@@ -126,7 +126,7 @@ def test_config_errors_name_the_method_and_what_is_supported(quantized, llama_mo
     with pytest.raises(ValueError, match=r"load_format='dummy' cannot fill the layers of a pre-quantized \(fp8\)"):
         LLM(str(fp8_dir), load_format="dummy", kv_cache_memory=0.05)
     msg = _error(_with_config(llama_model_dir, tmp_path / "hqq", {"quant_method": "hqq"}))
-    assert "quant_method 'hqq' is not supported; supported: fp8, compressed-tensors, bitsandbytes" in msg
+    assert "quant_method 'hqq' is not supported; supported: awq, gptq, fp8, compressed-tensors, bitsandbytes" in msg
 
 
 @pytest.mark.parametrize(
