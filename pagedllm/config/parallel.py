@@ -1,16 +1,20 @@
-"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor parallel on CPU; no pipeline parallel yet)."""
+"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor parallel on CPU, local or over Ray; no pipeline parallel yet)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
-from pagedllm.config.options import check_positive, option
+from pagedllm.config.options import check_choice, check_positive, option
+
+DISTRIBUTED_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
 
 @dataclass
@@ -26,12 +30,41 @@ class ParallelArgs:
         1, "pipeline-parallel stages; accepted and validated, only 1 is supported for now", aliases=("-pp",)
     )
 
+    distributed_executor_backend: str = option(
+        "mp",
+        "where the ranks run: mp (one local process per rank) or ray (one Ray actor per rank, on one "
+        "or several nodes of a Ray cluster; needs pip install 'pagedllm[ray]')",
+        choices=DISTRIBUTED_BACKENDS,
+    )
+    distributed_init_method: str | None = option(
+        None, "tcp://host:port rendezvous for multi-node torch.distributed without Ray (not available yet)"
+    )
+    nnodes: int = option(1, "nodes of a --distributed-init-method run (not available yet)")
+    node_rank: int = option(0, "this node's index in a --distributed-init-method run (not available yet)")
+
     def create_parallel_config(self) -> ParallelConfig:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
         if self.pipeline_parallel_size != 1:
             raise ValueError("pipeline parallelism is not available yet: use pipeline_parallel_size=1")
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size)
+        check_choice("distributed_executor_backend", self.distributed_executor_backend, DISTRIBUTED_BACKENDS)
+        if self.distributed_executor_backend == "ray":
+            check_ray_installed()
+        if self.distributed_init_method is not None or self.nnodes != 1 or self.node_rank != 0:
+            raise ValueError(
+                "--distributed-init-method/--nnodes/--node-rank (multi-node torch.distributed without Ray) "
+                "are not available yet: for several nodes use --distributed-executor-backend ray on a Ray cluster"
+            )
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.distributed_executor_backend)
+
+
+def check_ray_installed() -> None:
+    """The Ray backend's one dependency, checked before anything starts."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "distributed_executor_backend='ray' needs Ray, which is not installed: "
+            "pip install 'pagedllm[ray]' (or use the default backend, mp, on one machine)"
+        )
 
 
 def check_tensor_parallel(tp: int, num_heads: int, num_kv_heads: int, device: str) -> None:

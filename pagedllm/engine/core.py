@@ -104,7 +104,12 @@ class EngineCore:
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """In process for one rank; one worker process per rank for tensor parallelism."""
+    """In process for one rank; one worker process per rank for tensor parallelism; one Ray actor
+    per rank (any size) when the Ray backend is asked for."""
+    if config.parallel_config.distributed_executor_backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     if config.parallel_config.tensor_parallel_size > 1:
         from pagedllm.executor.multiproc import MultiprocExecutor
 

@@ -29,13 +29,16 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm import cpu_info, envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import die_with_parent
 from pagedllm.metrics.startup import StartupPhases
+
+if TYPE_CHECKING:
+    from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -206,10 +209,58 @@ def _portable(exc: Exception) -> Exception:
     return ValueError(str(exc)) if isinstance(exc, ValueError) else RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def init_rank(
+    config: EngineConfig, rank: int, world_size: int, init_method: str, threads: int, same_host: bool
+) -> Worker:
+    """Everything a rank does before it serves steps (here and in a Ray actor, ``ray_executor.py``):
+    its thread count, ``torch.distributed`` (gloo), the TP group, the worker and its weights.
+    ``same_host``: every rank of the group is on this machine, so the shared-memory all-reduce
+    can join them (it cannot span hosts)."""
+    if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
+        envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(envs.omp_num_threads()))
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
+    )
+    from pagedllm.distributed import shm_allreduce
+    from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
+    from pagedllm.worker.worker import Worker  # noqa: F811 (the real import, after torch's set-up)
+
+    shm = None
+    # Ranks spin while they wait for each other: only when each has a core of its own.
+    own_core = world_size <= cpu_info.usable_cpus()
+    if same_host and envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
+        shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
+    set_tp_group(TPGroup(rank, world_size, None, shm))
+    worker = Worker(config)
+    worker.load_model()
+    return worker
+
+
+def run_method(worker: Any, rank: int, method: str, args: tuple[Any, ...]) -> tuple[bool, Any]:
+    """One request to a rank: ``(True, result)`` (rank 0's result; the others answer None but for
+    the block count) or ``(False, exception)`` after a failure."""
+    try:
+        result = getattr(worker, method)(*args)
+    except Exception as e:
+        logger.exception("rank %d failed in %s", rank, method)
+        return False, _portable(e)
+    return True, result if rank == 0 or method == "determine_num_blocks" else None
 
 
 def _worker_main(
@@ -217,35 +268,11 @@ def _worker_main(
 ) -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
-    if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
-        envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(int(envs.omp_num_threads()))
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
-        )
-        from pagedllm.distributed import shm_allreduce
-        from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
-        from pagedllm.worker.worker import Worker
-
-        shm = None
-        # Ranks spin while they wait for each other: only when each has a core of its own.
-        own_core = world_size <= cpu_info.usable_cpus()
-        if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
-            shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
-        set_tp_group(TPGroup(rank, world_size, None, shm))
-        worker = Worker(config)
-        worker.load_model()
+        worker = init_rank(config, rank, world_size, f"tcp://127.0.0.1:{port}", threads, same_host=True)
         conn.send((True, dict(worker.startup.seconds)))
     except Exception as e:
         conn.send((False, _portable(e)))
@@ -258,13 +285,10 @@ def _worker_main(
                 break
             if method == "shutdown":
                 break
-            try:
-                result = getattr(worker, method)(*args)
-            except Exception as e:
-                logger.exception("rank %d failed in %s", rank, method)
-                conn.send((False, _portable(e)))
+            ok, payload = run_method(worker, rank, method, args)
+            conn.send((ok, payload))
+            if not ok:
                 break
-            conn.send((True, result if rank == 0 or method == "determine_num_blocks" else None))
     finally:
         conn.close()
         if dist.is_initialized():
