@@ -86,27 +86,36 @@ def test_ray_tp2_spread_over_two_nodes_matches_tp1(cluster, reference, llama_mod
         _stopped(llm)
 
 
-def test_killed_ray_actor_raises_naming_the_rank(cluster, llama_model_dir):
+@pytest.mark.parametrize("placement", ["pack", "spread"])  # shared memory / gloo between the ranks
+def test_ray_actor_killed_mid_generation_raises_naming_the_rank(cluster, llama_model_dir, monkeypatch, placement):
+    monkeypatch.setenv("PAGEDLLM_RAY_PLACEMENT", placement)
     llm = _ray_llm(llama_model_dir)
-    executor = llm.llm_engine.engine_core.executor
+    engine, executor = llm.llm_engine, llm.llm_engine.engine_core.executor
     procs = [psutil.Process(p.pid) for p in executor.places]
-    llm.generate(["warm up"], SamplingParams(max_tokens=2), use_tqdm=False)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, GREEDY)
+    engine.step()  # requests in flight
     os.kill(procs[1].pid, signal.SIGKILL)
     start = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="rank 1"):
-        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    with pytest.raises(WorkerDiedError, match="rank 1 .*died"):
+        while engine.has_unfinished_requests():
+            engine.step()
     assert time.monotonic() - start < 15
     assert _all_gone(procs, timeout=10)  # the surviving rank is killed too
     assert ray.util.placement_group_table(executor.pgs[0])["state"] == "REMOVED"
     llm.llm_engine.shutdown()  # idempotent
 
 
+def test_worker_value_error_reaches_the_caller(cluster, llama_model_dir):
+    with pytest.raises(ValueError, match=r"num_gpu_blocks_override=2 cannot hold .*tensor-parallel rank [01]"):
+        LLM(str(llama_model_dir), tensor_parallel_size=2, distributed_executor_backend="ray", num_gpu_blocks_override=2)
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
 def test_unplaceable_spread_is_a_clear_error(cluster, llama_model_dir, monkeypatch):
-    """Three ranks, one per node, on two nodes."""
+    """Four ranks, one per node, on two nodes."""
     monkeypatch.setenv("PAGEDLLM_RAY_PLACEMENT", "spread")
     monkeypatch.setattr("pagedllm.executor.ray_executor._PLACEMENT_TIMEOUT_S", 2.0)
     with pytest.raises(ValueError, match="cannot place 4 rank"):
         LLM(str(llama_model_dir), tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE)
-    assert ray.util.placement_group_table() == {} or all(
-        pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values()
-    )
+    assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
