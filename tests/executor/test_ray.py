@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import psutil
@@ -119,3 +121,29 @@ def test_unplaceable_spread_is_a_clear_error(cluster, llama_model_dir, monkeypat
     with pytest.raises(ValueError, match="cannot place 4 rank"):
         LLM(str(llama_model_dir), tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE)
     assert all(pg["state"] == "REMOVED" for pg in ray.util.placement_group_table().values())
+
+
+_DRIVER = """
+import sys
+from pagedllm import LLM
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray")
+print(*(p.pid for p in llm.llm_engine.engine_core.executor.places), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_actors_die_with_a_killed_engine(cluster, llama_model_dir):
+    """Ray's actors (not detached) go with their driver, however it dies."""
+    env = {**os.environ, "RAY_ADDRESS": cluster.address}
+    cmd = [sys.executable, "-c", _DRIVER, str(llama_model_dir)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        actors = [psutil.Process(int(pid)) for pid in proc.stdout.readline().split()]
+        assert len(actors) == 2 and all(a.pid != proc.pid for a in actors)
+        proc.kill()
+        proc.wait(5)
+        assert _all_gone(actors, timeout=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
