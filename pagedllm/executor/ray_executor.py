@@ -222,16 +222,19 @@ class RayExecutor:
     def _answers(self, replies: list[tuple[bool, Any]], what: str) -> list[Any]:
         for rank, (ok, payload) in enumerate(replies):
             if not ok:
-                self.shutdown()
-                if isinstance(payload, ValueError):  # a setting that does not fit: the user's to fix
-                    raise ValueError(f"{payload} (tensor-parallel rank {rank})")
-                raise WorkerDiedError(f"tensor-parallel worker rank {rank} failed in {what!r}: {payload}")
+                raise self._failed(rank, payload, what)
         return [payload for _, payload in replies]
+
+    def _failed(self, rank: int, payload: Exception, what: str) -> Exception:
+        self.shutdown()
+        if isinstance(payload, ValueError):  # a setting that does not fit: the user's to fix
+            return ValueError(f"{payload} (tensor-parallel rank {rank})")
+        return WorkerDiedError(f"tensor-parallel worker rank {rank} failed in {what!r}: {payload}")
 
     def _gather(self, refs: list[Any], timeout: float, what: str) -> list[Any]:
         """Every ref's value in rank order; a dead actor or a silent one raises, naming the rank.
-        A rank whose call failed makes its peers fail too (a collective breaks): return early
-        only when every rank answered, and name a dead one in preference to a failed one."""
+        A failed rank raises at once (its peers may wait inside a collective for it), but first
+        looks briefly for a dead peer: a death breaks the others' collectives, so name the dead."""
         ray = self._ray
         pending = {ref: rank for rank, ref in enumerate(refs)}
         answers: dict[int, Any] = {}
@@ -253,6 +256,7 @@ class RayExecutor:
                 raise self._died(rank, what, e) from e
             if isinstance(answers[rank], tuple) and answers[rank][0] is False:
                 self._raise_if_a_peer_died(pending, what)
+                raise self._failed(rank, answers[rank][1], what)
         return [answers[r] for r in range(len(refs))]
 
     def _raise_if_a_peer_died(self, pending: dict[Any, int], what: str) -> None:
