@@ -150,6 +150,8 @@ def place(ray: Any, world_size: int, cpus: int, strategy: str) -> Any:
 
 class RayExecutor:
     def __init__(self, config: EngineConfig) -> None:
+        if config.device != "cpu":  # bundles reserve CPUs only: Ray hides the GPUs from such actors
+            raise ValueError(f"distributed_executor_backend='ray' runs on CPU only for now (device={config.device!r})")
         ray = self._ray = _import_ray()
         self.world_size = config.parallel_config.tensor_parallel_size
         self.startup = StartupPhases()
