@@ -37,7 +37,9 @@ class ParallelArgs:
         choices=DISTRIBUTED_BACKENDS,
     )
     distributed_init_method: str | None = option(
-        None, "tcp://host:port rendezvous for multi-node torch.distributed without Ray (not available yet)"
+        None,
+        "tcp://host:port rendezvous for multi-node torch.distributed without Ray (not available yet)",
+        default_help="none: one machine, or Ray's own rendezvous",
     )
     nnodes: int = option(1, "nodes of a --distributed-init-method run (not available yet)")
     node_rank: int = option(0, "this node's index in a --distributed-init-method run (not available yet)")
