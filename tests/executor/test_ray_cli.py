@@ -8,6 +8,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -86,3 +87,42 @@ def test_server_over_a_ray_start_cluster(ray_head, llama_model_dir):
         assert out.choices[0].text == ref[0].outputs[0].text
         assert "connected to the running cluster" in srv.log()
     assert _all_gone(actors, timeout=10)
+
+
+_LOCAL = """
+import logging, sys
+from pagedllm import LLM, SamplingParams
+logging.basicConfig(level=logging.INFO)
+llm = LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray", dtype="float32")
+out = llm.generate([sys.argv[2]], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+llm.llm_engine.shutdown()
+print(*out[0].outputs[0].token_ids)
+"""
+
+
+def test_without_a_cluster_starts_a_local_one(llama_model_dir):
+    """No cluster to join: the engine starts a private Ray instance and stops it at shutdown."""
+    if any(p.info["name"] == "gcs_server" for p in psutil.process_iter(["name"])):
+        pytest.skip("a Ray instance runs on this machine: address='auto' would join it")
+    prompt = "the quick brown fox"
+    ref = LLM(str(llama_model_dir), dtype="float32").generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )
+    temp = tempfile.mkdtemp(prefix="rl", dir="/tmp")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | RAY_ENV | {"RAY_TMPDIR": temp}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOCAL, str(llama_model_dir), prompt],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "no cluster running, started a local one" in err
+    assert [int(t) for t in out.split()] == list(ref[0].outputs[0].token_ids)
