@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -50,6 +51,7 @@ def ray_head():
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             log.close()
+            shutil.rmtree(temp, ignore_errors=True)
         assert _all_gone(tree, timeout=10), [p.pid for p in tree if p.is_running()]
 
 
@@ -123,6 +125,7 @@ def test_without_a_cluster_starts_a_local_one(llama_model_dir):
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
     assert proc.returncode == 0, err[-3000:]
     assert "no cluster running, started a local one" in err
     assert [int(t) for t in out.split()] == list(ref[0].outputs[0].token_ids)
