@@ -68,7 +68,7 @@ class MultiprocExecutor:
             # the flag only acts at an orderly exit, and our workers are reaped by shutdown() and
             # die with us anyway (PDEATHSIG).
             mp.current_process().daemon = False
-        port = _free_port()
+        port = free_port()
         threads = threads_per_rank(self.world_size)
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
@@ -204,12 +204,12 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
         conn.close()
 
 
-def _portable(exc: Exception) -> Exception:
+def portable_error(exc: Exception) -> Exception:
     """A worker's exception as the engine core will get it: ValueError as is, anything else by name."""
     return ValueError(str(exc)) if isinstance(exc, ValueError) else RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -259,7 +259,7 @@ def run_method(worker: Any, rank: int, method: str, args: tuple[Any, ...]) -> tu
         result = getattr(worker, method)(*args)
     except Exception as e:
         logger.exception("rank %d failed in %s", rank, method)
-        return False, _portable(e)
+        return False, portable_error(e)
     return True, result if rank == 0 or method == "determine_num_blocks" else None
 
 
@@ -275,7 +275,7 @@ def _worker_main(
         worker = init_rank(config, rank, world_size, f"tcp://127.0.0.1:{port}", threads, same_host=True)
         conn.send((True, dict(worker.startup.seconds)))
     except Exception as e:
-        conn.send((False, _portable(e)))
+        conn.send((False, portable_error(e)))
         raise SystemExit(1) from e
     try:
         while True:

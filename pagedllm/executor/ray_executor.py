@@ -34,7 +34,7 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.config.parallel import check_ray_installed
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.multiproc import WorkerDiedError, _free_port, _portable, init_rank, run_method
+from pagedllm.executor.multiproc import WorkerDiedError, free_port, init_rank, portable_error, run_method
 from pagedllm.metrics.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
@@ -65,7 +65,7 @@ class RankActor:
         return RankPlace(ray.util.get_node_ip_address(), os.getpid())
 
     def free_port(self, host: str) -> int:
-        return _free_port(host)
+        return free_port(host)
 
     def init(
         self, config: EngineConfig, rank: int, world_size: int, init_method: str, threads: int, same_host: bool
@@ -76,7 +76,7 @@ class RankActor:
         try:
             self.worker = init_rank(config, rank, world_size, init_method, threads, same_host)
         except Exception as e:
-            return False, _portable(e)
+            return False, portable_error(e)
         return True, dict(self.worker.startup.seconds)
 
     def call(self, method: str, *args: Any) -> tuple[bool, Any]:
