@@ -62,6 +62,17 @@ ENV_VARS: dict[str, EnvVar] = {
             "0",
             "1 serves GET /debug/integrity (the KV block pool's integrity check, for tests); never in production",
         ),
+        EnvVar(
+            "PAGEDLLM_RAY_PLACEMENT",
+            "pack",
+            "Ray backend: pack (ranks on as few nodes as fit, PACK) or spread (one rank per node, STRICT_SPREAD)",
+        ),
+        EnvVar("PAGEDLLM_RAY_CPUS_PER_RANK", "1", "Ray backend: CPUs each rank's bundle reserves (its thread count)"),
+        EnvVar(
+            "GLOO_SOCKET_IFNAME",
+            "",
+            "network interface gloo uses (default: a Ray rank picks the one holding its node's IP)",
+        ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(
             "TORCH_EXTENSIONS_DIR",
@@ -122,6 +133,27 @@ def set_omp_num_threads(count: int) -> None:
 def executor_timeout_s() -> float:
     """``PAGEDLLM_EXECUTOR_TIMEOUT_S``: how long a step waits for a silent worker rank."""
     return float(get("PAGEDLLM_EXECUTOR_TIMEOUT_S"))
+
+
+def ray_placement() -> str:
+    """``PAGEDLLM_RAY_PLACEMENT`` as a Ray placement strategy: PACK or STRICT_SPREAD."""
+    value = get("PAGEDLLM_RAY_PLACEMENT")
+    strategies = {"pack": "PACK", "spread": "STRICT_SPREAD"}
+    if value not in strategies:
+        raise ValueError(f"PAGEDLLM_RAY_PLACEMENT must be pack or spread, got {value!r}")
+    return strategies[value]
+
+
+def ray_cpus_per_rank() -> int:
+    value = get("PAGEDLLM_RAY_CPUS_PER_RANK")
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"PAGEDLLM_RAY_CPUS_PER_RANK must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def set_gloo_socket_ifname(name: str) -> None:
+    """Make gloo bind (and advertise) ``name``'s address rather than what the hostname resolves to."""
+    os.environ["GLOO_SOCKET_IFNAME"] = name
 
 
 def kernel_build_root() -> Path:

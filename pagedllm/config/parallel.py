@@ -1,11 +1,14 @@
-"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor or pipeline parallel, on CPU;
-data-parallel engine cores behind one server)."""
+"""Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor or pipeline parallel on CPU,
+local processes or Ray actors; data-parallel engine cores behind one server)."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
-from pagedllm.config.options import check_positive, option
+from pagedllm.config.options import check_choice, check_positive, option
+
+DISTRIBUTED_BACKENDS = ("mp", "ray")
 
 
 @dataclass(frozen=True)
@@ -13,6 +16,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
 
 
 @dataclass
@@ -38,6 +42,20 @@ class ParallelArgs:
         aliases=("-dp",),
     )
 
+    distributed_executor_backend: str = option(
+        "mp",
+        "where the ranks run: mp (one local process per rank) or ray (one Ray actor per rank, on one "
+        "or several nodes of a Ray cluster; needs pip install 'pagedllm[ray]')",
+        choices=DISTRIBUTED_BACKENDS,
+    )
+    distributed_init_method: str | None = option(
+        None,
+        "tcp://host:port rendezvous for multi-node torch.distributed without Ray (not available yet)",
+        default_help="none: one machine, or Ray's own rendezvous",
+    )
+    nnodes: int = option(1, "nodes of a --distributed-init-method run (not available yet)")
+    node_rank: int = option(0, "this node's index in a --distributed-init-method run (not available yet)")
+
     def create_parallel_config(self) -> ParallelConfig:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
         check_positive("pipeline_parallel_size", self.pipeline_parallel_size)
@@ -50,7 +68,28 @@ class ParallelArgs:
                 "supported: use data parallelism (data_parallel_size > 1, tensor and pipeline parallel sizes 1) "
                 "or tensor/pipeline parallelism (data_parallel_size=1), not both"
             )
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, self.data_parallel_size)
+        check_choice("distributed_executor_backend", self.distributed_executor_backend, DISTRIBUTED_BACKENDS)
+        if self.distributed_executor_backend == "ray":
+            self._check_ray()
+        if self.distributed_init_method is not None or self.nnodes != 1 or self.node_rank != 0:
+            raise ValueError(
+                "--distributed-init-method/--nnodes/--node-rank (multi-node torch.distributed without Ray) "
+                "are not available yet: for several nodes use --distributed-executor-backend ray on a Ray cluster"
+            )
+        return ParallelConfig(
+            self.tensor_parallel_size,
+            self.pipeline_parallel_size,
+            self.data_parallel_size,
+            self.distributed_executor_backend,
+        )
+
+    def _check_ray(self) -> None:
+        check_ray_installed()
+        if self.pipeline_parallel_size > 1 or self.data_parallel_size > 1:
+            raise ValueError(
+                "distributed_executor_backend='ray' runs tensor parallelism only for now: use "
+                "pipeline_parallel_size=1 and data_parallel_size=1 with it, or the default backend (mp)"
+            )
 
 
 def check_data_parallel(dp: int, device: str) -> None:
@@ -59,6 +98,15 @@ def check_data_parallel(dp: int, device: str) -> None:
     if dp > 1 and device != "cpu":
         raise ValueError(
             f"data_parallel_size={dp} runs on CPU only for now (device={device!r}): use data_parallel_size=1"
+        )
+
+
+def check_ray_installed() -> None:
+    """The Ray backend's one dependency, checked before anything starts."""
+    if importlib.util.find_spec("ray") is None:
+        raise ValueError(
+            "distributed_executor_backend='ray' needs Ray, which is not installed: "
+            "pip install 'pagedllm[ray]' (or use the default backend, mp, on one machine)"
         )
 
 

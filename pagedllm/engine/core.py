@@ -107,8 +107,13 @@ class EngineCore:
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    """In process for one rank; one worker process per rank for tensor or pipeline parallelism."""
+    """In process for one rank; one worker process per rank for tensor or pipeline parallelism; one
+    Ray actor per rank (tensor parallelism, any size) when the Ray backend is asked for."""
     parallel = config.parallel_config
+    if parallel.distributed_executor_backend == "ray":
+        from pagedllm.executor.ray_executor import RayExecutor
+
+        return RayExecutor(config)
     if parallel.tensor_parallel_size > 1 or parallel.pipeline_parallel_size > 1:
         from pagedllm.executor.multiproc import MultiprocExecutor
 

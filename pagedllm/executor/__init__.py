@@ -11,7 +11,8 @@ from pagedllm.metrics.startup import StartupPhases
 
 
 class Executor(Protocol):
-    """What the engine core calls: in process (``uniproc``) or one process per rank (``multiproc``)."""
+    """What the engine core calls: in process (``uniproc``), one process per rank (``multiproc``)
+    or one Ray actor per rank (``ray_executor``)."""
 
     @property
     def startup(self) -> StartupPhases: ...

@@ -34,13 +34,16 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pagedllm import cpu_info, envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import die_with_parent
 from pagedllm.metrics.startup import StartupPhases
+
+if TYPE_CHECKING:
+    from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +77,7 @@ class MultiprocExecutor:
             # the flag only acts at an orderly exit, and our workers are reaped by shutdown() and
             # die with us anyway (PDEATHSIG).
             mp.current_process().daemon = False
-        port = _free_port()
+        port = free_port()
         threads = threads_per_rank(self.world_size)
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
@@ -222,15 +225,57 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
         conn.close()
 
 
-def _portable(exc: Exception) -> Exception:
+def portable_error(exc: Exception) -> Exception:
     """A worker's exception as the engine core will get it: ValueError as is, anything else by name."""
     return ValueError(str(exc)) if isinstance(exc, ValueError) else RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def init_rank(
+    config: EngineConfig, rank: int, world_size: int, init_method: str, threads: int, same_host: bool
+) -> Worker:
+    """Everything a rank does before it serves steps (here and in a Ray actor, ``ray_executor.py``):
+    its thread count, ``torch.distributed`` (gloo), the TP group, the worker and its weights.
+    ``same_host``: every rank of the group is on this machine, so the shared-memory all-reduce
+    can join them (it cannot span hosts)."""
+    if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
+        envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(int(envs.omp_num_threads()))
+    dist.init_process_group(
+        "gloo",
+        init_method=init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
+    )
+    from pagedllm.worker.worker import Worker  # noqa: F811 (the real import, after torch's set-up)
+
+    _install_groups(config, rank, world_size, same_host)
+    worker = Worker(config)
+    worker.load_model()
+    return worker
+
+
+def run_method(worker: Any, rank: int, method: str, args: tuple[Any, ...], output_rank: int = 0) -> tuple[bool, Any]:
+    """One request to a rank: ``(True, result)`` (``output_rank``'s result: rank 0, or with
+    pipeline stages the last stage's first rank; the others answer None but for the block count)
+    or ``(False, exception)`` after a failure."""
+    try:
+        result = getattr(worker, method)(*args)
+    except Exception as e:
+        logger.exception("rank %d failed in %s", rank, method)
+        return False, portable_error(e)
+    return True, result if rank == output_rank or method == "determine_num_blocks" else None
 
 
 def _worker_main(
@@ -238,31 +283,14 @@ def _worker_main(
 ) -> None:
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
-    if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
-        envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank{rank}] %(message)s")
-    import datetime
-
-    import torch
     import torch.distributed as dist
 
-    torch.set_num_threads(int(envs.omp_num_threads()))
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
-        )
-        from pagedllm.worker.worker import Worker
-
-        _install_groups(config, rank, world_size)
-        worker = Worker(config)
-        worker.load_model()
+        worker = init_rank(config, rank, world_size, f"tcp://127.0.0.1:{port}", threads, same_host=True)
         conn.send((True, dict(worker.startup.seconds)))
     except Exception as e:
-        conn.send((False, _portable(e)))
+        conn.send((False, portable_error(e)))
         raise SystemExit(1) from e
     try:
         while True:
@@ -272,24 +300,22 @@ def _worker_main(
                 break
             if method == "shutdown":
                 break
-            try:
-                result = getattr(worker, method)(*args)
-            except Exception as e:
-                logger.exception("rank %d failed in %s", rank, method)
-                conn.send((False, _portable(e)))
-                break
             output_rank = world_size - config.parallel_config.tensor_parallel_size
-            conn.send((True, result if rank == output_rank or method == "determine_num_blocks" else None))
+            ok, payload = run_method(worker, rank, method, args, output_rank)
+            conn.send((ok, payload))
+            if not ok:
+                break
     finally:
         conn.close()
         if dist.is_initialized():
             dist.destroy_process_group()
 
 
-def _install_groups(config: EngineConfig, rank: int, world_size: int) -> None:
+def _install_groups(config: EngineConfig, rank: int, world_size: int, same_host: bool) -> None:
     """The layers' view of this rank: its tensor-parallel group (the ranks of its stage) and, with
     pipeline stages, its pipeline group (its counterparts in every stage). Ranks are laid out
-    stage by stage: rank = stage * tp + tp_rank (vLLM's order)."""
+    stage by stage: rank = stage * tp + tp_rank (vLLM's order). ``same_host``: every rank is on
+    this machine, so the shared-memory all-reduce can join them (it cannot span hosts)."""
     from pagedllm.distributed import shm_allreduce
     from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
     from pagedllm.distributed.pipeline import PPGroup, set_pp_group
@@ -308,6 +334,6 @@ def _install_groups(config: EngineConfig, rank: int, world_size: int) -> None:
     shm = None
     # Ranks spin while they wait for each other: only when each has a core of its own.
     own_core = world_size <= cpu_info.usable_cpus()
-    if envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
+    if same_host and envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
         shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
     set_tp_group(TPGroup(rank, world_size, None, shm))

@@ -19,7 +19,6 @@ from pagedllm.layers.quantization.checkpoint import CHECKPOINT_FORMATS
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 
-
 _MINIMAL_CHECKPOINT_CONFIGS = {
     "awq": {"bits": 4, "group_size": 32},
     "gptq": {"bits": 4, "group_size": 32},
