@@ -20,7 +20,15 @@ import msgspec
 import zmq
 
 from pagedllm.config import EngineConfig
-from pagedllm.engine.protocol import EngineCoreOutputType, EngineCoreRequest, EngineCoreRequestType, UtilityResult
+from pagedllm.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreOutputType,
+    EngineCoreRequest,
+    EngineCoreRequestType,
+    FinishReason,
+    UtilityResult,
+)
 from pagedllm.executor import die_with_parent
 from pagedllm.sampling_params import StructuredOutputsParams
 
@@ -106,7 +114,7 @@ class EngineCoreProc:
 
     def _handle(self, kind: EngineCoreRequestType, payload: Any) -> None:
         if kind is EngineCoreRequestType.ADD:
-            self.core.add_request(payload)
+            self._add(payload)
         elif kind is EngineCoreRequestType.ABORT:
             self.core.abort_requests(payload)
             self.stats_dirty = True
@@ -114,6 +122,19 @@ class EngineCoreProc:
             self._utility(*payload)
         else:  # a kind the input thread queues but nobody handles: a bug, said loudly
             logger.error("engine message kind %s has no handler; dropped", kind.name)
+
+    def _add(self, request: EngineCoreRequest) -> None:
+        """Admit a request; one the engine cannot take fails alone (its client gets the error),
+        never the engine and the requests in flight."""
+        try:
+            self.core.add_request(request)
+        except Exception as exc:
+            logger.exception("request %s could not be added; failed", request.request_id)
+            self._fail_request(request.request_id, f"the engine could not take this request: {exc}")
+
+    def _fail_request(self, request_id: str, message: str) -> None:
+        failed = EngineCoreOutput(request_id, [], finish_reason=FinishReason.ERROR, stop_reason=message)
+        self.output_queue.put((EngineCoreOutputType.OUTPUTS, EngineCoreOutputs(outputs=[failed])))
 
     def _utility(self, call_id: int, name: str, args: list) -> None:
         try:
@@ -148,12 +169,30 @@ class EngineCoreProc:
         except ValueError:
             logger.error("unknown engine message kind %r (%d frames); ignored", frames[0].bytes, len(frames))
             return
-        payload = decoders[kind].decode(frames[1].buffer) if len(frames) > 1 else None
+        try:
+            payload = decoders[kind].decode(frames[1].buffer) if len(frames) > 1 else None
+        except msgspec.DecodeError as exc:  # ValidationError too: a field the front end let through
+            self._refuse_undecodable(kind, frames[1].buffer, exc)
+            return
         if kind is EngineCoreRequestType.CHECK_GRAMMAR:
             # compiled off the busy loop; the reply skips it too
             self._check_grammar(*cast("tuple[int, StructuredOutputsParams]", payload))
         else:
             self.input_queue.put((kind, payload))
+
+    def _refuse_undecodable(self, kind: EngineCoreRequestType, buffer: Any, exc: Exception) -> None:
+        """A message that does not decode fails its own request or call (found by its leading
+        field: the request id, or the call id), never the input thread and so the engine."""
+        logger.error("undecodable %s message (%s); refused", kind.name, exc)
+        message = f"the engine could not read this request: {exc}"
+        try:
+            ident = msgspec.msgpack.decode(buffer)[0]
+        except Exception:  # not even a msgpack array: nobody to answer
+            return
+        if kind is EngineCoreRequestType.ADD and isinstance(ident, str):
+            self._fail_request(ident, message)
+        elif kind in (EngineCoreRequestType.UTILITY, EngineCoreRequestType.CHECK_GRAMMAR) and isinstance(ident, int):
+            self.output_queue.put((EngineCoreOutputType.UTILITY, UtilityResult(ident, error=message)))
 
     def _check_grammar(self, call_id: int, params: StructuredOutputsParams) -> None:
         """Start compiling; the verdict goes out when done. The engine compiler's cache keeps the

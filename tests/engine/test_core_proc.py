@@ -201,9 +201,13 @@ def test_decoding_and_sending_overlap_the_step(front):
         running.stop()
 
 
-def test_a_failed_io_thread_fails_the_loop(front):
+def test_a_failed_io_thread_fails_the_loop(front, monkeypatch):
+    def broken(self, frames, decoders):
+        raise OSError("the socket broke")
+
+    monkeypatch.setattr(EngineCoreProc, "_take_message", broken)
     running = Running(BlockingCore(), front)
-    front.input.send_multipart([EngineCoreRequestType.ADD.value, b"\xc1 not msgpack"])
+    front.send(EngineCoreRequestType.UTILITY.value, (1, "ping", []))
     running.thread.join(10)
     assert isinstance(running.error, RuntimeError) and "input thread failed" in str(running.error)
     running.proc.shutdown()
@@ -370,3 +374,54 @@ def test_an_unknown_output_kind_is_logged_by_the_client(config, core, caplog):
             client.shutdown()
 
     asyncio.run(main())
+
+
+def _finished(front: FrontEnd, request_id: str) -> Any:
+    """The engine's final output for ``request_id`` (other outputs skipped)."""
+    while True:
+        kind, payload = front.recv()
+        if kind is EngineCoreOutputType.OUTPUTS:
+            for out in payload.outputs:
+                if out.request_id == request_id and out.finished:
+                    return out
+
+
+class Refusing:
+    """The real engine core, except that adding request "boom" raises (a bug's stand-in)."""
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    def add_request(self, request: Any) -> None:
+        if request.request_id == "boom":
+            raise RuntimeError("cannot take it")
+        self._core.add_request(request)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._core, name)
+
+
+def test_a_request_the_engine_cannot_read_or_add_fails_alone(core, front, caplog):
+    """An ADD whose payload does not decode (a field the front end let through) and one whose
+    admission raises each fail their own request with an error; the engine keeps serving."""
+    from pagedllm.engine.protocol import FinishReason
+
+    running = Running(Refusing(core), front)
+    try:
+        with caplog.at_level(logging.ERROR, logger="pagedllm.engine.core_proc"):
+            front.send(EngineCoreRequestType.ADD.value, ["garbled", "not token ids", None, None])
+            garbled = _finished(front, "garbled")
+            front.send(EngineCoreRequestType.ADD.value, _request("boom"))
+            boom = _finished(front, "boom")
+            front.send(EngineCoreRequestType.UTILITY.value, (9, "ping"))  # too short for (id, name, args)
+            refused_call = front.recv_utility()
+            front.input.send_multipart([EngineCoreRequestType.ADD.value, b"\xc1 not msgpack"])  # no one to tell
+        assert garbled.finish_reason == FinishReason.ERROR and "could not read this request" in garbled.stop_reason
+        assert boom.finish_reason == FinishReason.ERROR and "cannot take it" in boom.stop_reason
+        assert refused_call.call_id == 9 and "could not read" in refused_call.error
+        front.send(EngineCoreRequestType.ADD.value, _request("fine"))
+        assert _finished(front, "fine").finish_reason == FinishReason.LENGTH
+        assert running.error is None and running.thread.is_alive()
+    finally:
+        running.stop()
+    core.check_integrity()
