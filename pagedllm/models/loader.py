@@ -61,6 +61,8 @@ def load_model(
             "load its weights, or use a float config.json for random weights"
         )
     weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
+    if weights is not None:  # e.g. int8 quantizes each float tensor as it streams in
+        quant_config = quant_config.for_checkpoint()
     model = build_model(arch, dtype, device, quant_config)
     if weights is None:
         init_dummy_weights(model, seed)

@@ -167,3 +167,43 @@ def test_engine_int8_greedy_tracks_fp32(llama_model_dir, native):
         else:
             identical += 1
     assert identical >= 3, "int8 should reproduce fp32's first 8 greedy tokens on most prompts"
+
+
+@pytest.mark.parametrize("method", ["int8", "w8a8"])
+def test_a_float_checkpoint_is_quantized_as_it_loads(llama_model_dir, native, monkeypatch, method):
+    """--quantization int8 / w8a8 on a float checkpoint: the linears are int8 from construction
+    (no float32 copy of them is ever allocated) and each float tensor is quantized as it streams
+    in; per-row scales make that the same Q and scales as quantizing after loading, so the
+    logits equal the quantize-after-loading path exactly."""
+    import torch
+
+    from pagedllm.config import EngineArgs
+    from pagedllm.layers.quantization import get_quantization_config
+    from pagedllm.layers.quantization.int8 import Int8Config
+    from pagedllm.layers.quantization.w8a8 import W8A8Config
+    from pagedllm.models import loader
+
+    config = EngineArgs(model=str(llama_model_dir), quantization=method).create_engine_config()
+    arch = config.model_config.arch
+    streaming = get_quantization_config(method).for_checkpoint()
+    built = loader.build_model(arch, torch.float32, "cpu", streaming)
+    linears = [m for m in built.modules() if hasattr(m, "quant_method") and hasattr(m, "weight_scale")]
+    assert linears and all(m.weight.dtype == torch.int8 for m in linears)
+
+    def logits(model) -> torch.Tensor:
+        from tests.models.test_models_vs_hf import bind_caches, run_step
+
+        ids = torch.tensor([5, 17, 42, 99, 7, 300, 2])
+        (out,) = run_step(model, bind_caches(model), [(ids, 0, len(ids), [0, 1])])
+        return out
+
+    kw = dict(dtype=torch.float32, device=torch.device("cpu"), quantization=method)
+    built_with = []
+    real_build = loader.build_model
+    monkeypatch.setattr(loader, "build_model", lambda *a: built_with.append(a[3]) or real_build(*a))
+    streamed = logits(loader.load_model(str(llama_model_dir), arch, **kw))
+    assert [type(c).__name__ for c in built_with] == ["QuantizeOnLoad"]
+    config_cls = Int8Config if method == "int8" else W8A8Config
+    monkeypatch.setattr(config_cls, "for_checkpoint", lambda self: self)  # quantize after loading
+    after = logits(loader.load_model(str(llama_model_dir), arch, **kw))
+    assert torch.equal(streamed, after)

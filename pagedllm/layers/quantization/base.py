@@ -74,6 +74,12 @@ class QuantizationConfig(ABC):
         """A fresh method for the LM head (formats so far keep it unquantized: its logits are
         what sampling reads)."""
 
+    def for_checkpoint(self) -> QuantizationConfig:
+        """The format to build a model with when its weights come from a checkpoint (default:
+        this one); a format that quantizes float weights may do so as they stream in instead of
+        after the whole float model is loaded (``int8`` / ``w8a8``: ``prequantized.QuantizeOnLoad``)."""
+        return self
+
     def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's (name, tensor) stream as this format's parameters take it (default: as
         stored; a pre-quantized checkpoint's format rewrites its layers one at a time)."""

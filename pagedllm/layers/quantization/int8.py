@@ -206,3 +206,8 @@ class Int8Config(QuantizationConfig):
 
     def get_lm_head_method(self) -> LinearMethodBase:
         return UnquantizedLinearMethod()
+
+    def for_checkpoint(self) -> QuantizationConfig:
+        from pagedllm.layers.quantization.prequantized import QuantizeOnLoad
+
+        return QuantizeOnLoad(self, Int8LinearMethod)

@@ -14,6 +14,12 @@ no float32 copy of the model ever exists: the layers' parameters are int8 from t
 int8 tensor carrying its scales. A linear layer the checkpoint left in float (its ignore list) is
 quantized per channel on arrival, as ``--quantization int8`` would. The LM head stays float32
 (:class:`DequantizingHeadMethod` widens it, should a checkpoint have quantized it).
+
+``--quantization int8`` / ``w8a8`` on a float checkpoint take the same road
+(:class:`QuantizeOnLoad`): each linear whose kernel takes its shape gets int8 parameters, and each
+float tensor is quantized per output channel as it streams in (a row's scale is its own, so
+quantizing a fused layer's shards one by one gives the same Q and scales as the whole weight), so
+loading peaks at about the quantized model plus one float tensor instead of the float32 model.
 """
 
 from __future__ import annotations
@@ -222,3 +228,47 @@ class PrequantizedConfig(QuantizationConfig):
 
     def convert_checkpoint(self, weights: Weights) -> Weights:
         return convert_checkpoint(weights, self.scheme)
+
+
+class QuantizeOnLoadMethod(LinearMethodBase):
+    """A float checkpoint's linear for ``target`` (int8 weight-only or w8a8): int8 parameters
+    filled as the float tensors stream in when the target's kernel takes the layer's shape;
+    otherwise the target as it is (loads float, keeps it float with its warning)."""
+
+    def __init__(self, target: PerChannelInt8Method) -> None:
+        self.target = target
+        self.inner: LinearMethodBase = target
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        # A stand-in of the weight's shape, dtype and device (no memory) for the kernel check.
+        shape = (sum(output_sizes), input_size)
+        if self.target.can_take(torch.empty((1, 1), dtype=params_dtype).expand(shape)):
+            self.inner = PrequantizedInt8Method(self.target)
+        self.inner.create_weights(layer, input_size, output_sizes, params_dtype, weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        self.inner.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.inner.apply(layer, x, bias)
+
+
+class QuantizeOnLoad(QuantizationConfig):
+    """``base`` (``int8`` / ``w8a8``) for a model whose float weights come from a checkpoint."""
+
+    def __init__(self, base: QuantizationConfig, target: type[PerChannelInt8Method]) -> None:
+        self.base, self.target = base, target
+        self.name = base.name  # type: ignore[misc]  # the format is still the base's
+
+    def get_linear_method(self) -> LinearMethodBase:
+        return QuantizeOnLoadMethod(self.target())
+
+    def get_lm_head_method(self) -> LinearMethodBase:
+        return self.base.get_lm_head_method()

@@ -142,3 +142,8 @@ class W8A8Config(QuantizationConfig):
 
     def get_lm_head_method(self) -> LinearMethodBase:
         return UnquantizedLinearMethod()
+
+    def for_checkpoint(self) -> QuantizationConfig:
+        from pagedllm.layers.quantization.prequantized import QuantizeOnLoad
+
+        return QuantizeOnLoad(self, W8A8LinearMethod)
