@@ -6,7 +6,7 @@ Writes a checkpoint of the given shape (random bf16 weights, in safetensors shar
 Face upload) once, then loads it in a fresh process per mode and reads the process's memory:
 
 - ``int8, streamed``: the linears are int8 from construction; each float tensor is quantized as
-  it arrives (``QuantizationConfig.for_checkpoint``);
+  it arrives (``Int8Config.quantize_on_load``);
 - ``int8, after loading``: the old road, a float32 model first, quantized once loaded.
 
 For each: the final size of the weights as held (``worker.weight_bytes``), the peak anonymous
@@ -102,7 +102,7 @@ def measure(model_dir: str, streamed: bool) -> dict[str, float]:
     from pagedllm.worker.worker import weight_bytes
 
     if not streamed:
-        Int8Config.for_checkpoint = lambda self: self  # type: ignore[method-assign]  # the old road
+        Int8Config.quantize_on_load = None  # the old road: quantize after loading
     arch = EngineArgs(model=model_dir, quantization="int8").create_engine_config().model_config.arch
     peak_anon, done = [_status_kib("RssAnon")], threading.Event()
 

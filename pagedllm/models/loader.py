@@ -13,7 +13,7 @@ from pagedllm.config.choices import LOAD_FORMATS
 from pagedllm.config.model import resolve_quantization
 from pagedllm.gguf_config import is_gguf_file, read_metadata, resolve_checkpoint
 from pagedllm.layers.quantization import QuantizationConfig, building_with, get_quantization_config
-from pagedllm.layers.quantization.prequantized import PrequantizedConfig
+from pagedllm.layers.quantization.prequantized import PrequantizedConfig, for_checkpoint
 from pagedllm.model_arch import ModelArchConfig
 from pagedllm.models.gguf_loader import iterate_gguf
 from pagedllm.models.registry import resolve_model_cls
@@ -62,7 +62,7 @@ def load_model(
         )
     weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
     if weights is not None:  # e.g. int8 quantizes each float tensor as it streams in
-        quant_config = quant_config.for_checkpoint()
+        quant_config = for_checkpoint(quant_config)
     model = build_model(arch, dtype, device, quant_config)
     if weights is None:
         init_dummy_weights(model, seed)

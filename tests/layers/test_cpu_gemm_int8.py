@@ -180,12 +180,13 @@ def test_a_float_checkpoint_is_quantized_as_it_loads(llama_model_dir, native, mo
     from pagedllm.config import EngineArgs
     from pagedllm.layers.quantization import get_quantization_config
     from pagedllm.layers.quantization.int8 import Int8Config
+    from pagedllm.layers.quantization.prequantized import for_checkpoint
     from pagedllm.layers.quantization.w8a8 import W8A8Config
     from pagedllm.models import loader
 
     config = EngineArgs(model=str(llama_model_dir), quantization=method).create_engine_config()
     arch = config.model_config.arch
-    streaming = get_quantization_config(method).for_checkpoint()
+    streaming = for_checkpoint(get_quantization_config(method))
     built = loader.build_model(arch, torch.float32, "cpu", streaming)
     linears = [m for m in built.modules() if hasattr(m, "quant_method") and hasattr(m, "weight_scale")]
     assert linears and all(m.weight.dtype == torch.int8 for m in linears)
@@ -204,6 +205,6 @@ def test_a_float_checkpoint_is_quantized_as_it_loads(llama_model_dir, native, mo
     streamed = logits(loader.load_model(str(llama_model_dir), arch, **kw))
     assert [type(c).__name__ for c in built_with] == ["QuantizeOnLoad"]
     config_cls = Int8Config if method == "int8" else W8A8Config
-    monkeypatch.setattr(config_cls, "for_checkpoint", lambda self: self)  # quantize after loading
+    monkeypatch.setattr(config_cls, "quantize_on_load", None)  # quantize after loading
     after = logits(loader.load_model(str(llama_model_dir), arch, **kw))
     assert torch.equal(streamed, after)

@@ -64,6 +64,9 @@ class QuantizationConfig(ABC):
     """A weight format: which method each linear layer and LM head gets."""
 
     name: ClassVar[str]
+    # The per-channel int8 method that quantizes each float tensor of a checkpoint as it streams
+    # in (``prequantized.for_checkpoint``); None: the format converts after loading, if at all.
+    quantize_on_load: ClassVar[type[LinearMethodBase] | None] = None
 
     @abstractmethod
     def get_linear_method(self) -> LinearMethodBase:
@@ -73,12 +76,6 @@ class QuantizationConfig(ABC):
     def get_lm_head_method(self) -> LinearMethodBase:
         """A fresh method for the LM head (formats so far keep it unquantized: its logits are
         what sampling reads)."""
-
-    def for_checkpoint(self) -> QuantizationConfig:
-        """The format to build a model with when its weights come from a checkpoint (default:
-        this one); a format that quantizes float weights may do so as they stream in instead of
-        after the whole float model is loaded (``int8`` / ``w8a8``: ``prequantized.QuantizeOnLoad``)."""
-        return self
 
     def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's (name, tensor) stream as this format's parameters take it (default: as

@@ -200,14 +200,10 @@ class Int8Config(QuantizationConfig):
     """Weight-only int8 for the transformer's linears; the LM head stays float."""
 
     name = "int8"
+    quantize_on_load = Int8LinearMethod
 
     def get_linear_method(self) -> LinearMethodBase:
         return Int8LinearMethod()
 
     def get_lm_head_method(self) -> LinearMethodBase:
         return UnquantizedLinearMethod()
-
-    def for_checkpoint(self) -> QuantizationConfig:
-        from pagedllm.layers.quantization.prequantized import QuantizeOnLoad
-
-        return QuantizeOnLoad(self, Int8LinearMethod)

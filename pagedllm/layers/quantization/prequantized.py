@@ -272,3 +272,13 @@ class QuantizeOnLoad(QuantizationConfig):
 
     def get_lm_head_method(self) -> LinearMethodBase:
         return self.base.get_lm_head_method()
+
+
+def for_checkpoint(config: QuantizationConfig) -> QuantizationConfig:
+    """The format to build a model with when its weights come from a checkpoint: one whose
+    ``quantize_on_load`` names a per-channel int8 method quantizes each float tensor as it
+    streams in (:class:`QuantizeOnLoad`); any other as it is."""
+    target = config.quantize_on_load
+    if target is None or not issubclass(target, PerChannelInt8Method):
+        return config
+    return QuantizeOnLoad(config, target)

@@ -136,14 +136,10 @@ class W8A8Config(QuantizationConfig):
     """W8A8 for the transformer's linears; the LM head stays float (see the module doc)."""
 
     name = "w8a8"
+    quantize_on_load = W8A8LinearMethod
 
     def get_linear_method(self) -> LinearMethodBase:
         return W8A8LinearMethod()
 
     def get_lm_head_method(self) -> LinearMethodBase:
         return UnquantizedLinearMethod()
-
-    def for_checkpoint(self) -> QuantizationConfig:
-        from pagedllm.layers.quantization.prequantized import QuantizeOnLoad
-
-        return QuantizeOnLoad(self, W8A8LinearMethod)
