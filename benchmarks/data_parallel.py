@@ -18,7 +18,6 @@ import argparse
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +27,11 @@ from pathlib import Path
 
 import httpx
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from pagedllm.executor.multiproc import free_port
 
 
 def _start(model_dir: Path, dp: int, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedllm.entrypoints.cli", "serve", str(model_dir), "--load-format", "dummy"]
     cmd += ["--port", str(port), "--host", "127.0.0.1", "--served-model-name", "m", "--no-enable-prefix-caching"]
     cmd += ["--max-model-len", "512", "--kv-cache-memory", "1", "--data-parallel-size", str(dp)]

@@ -18,20 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
-LLAMA_3_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=8192,
-    tie_word_embeddings=False,
-    rms_norm_eps=1e-5,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+from benchmarks.gpu.make_llama3_8b_config import LLAMA3_8B_SHAPE
+
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GiB = 1 << 30
 
@@ -43,7 +31,7 @@ def write_model_dir(path: Path) -> Path:
     config = json.loads((path / "config.json").read_text())
     for key in ("num_key_value_heads", "head_dim"):
         config.pop(key, None)
-    config.update(LLAMA_3_8B, quantization_config=AWQ, torch_dtype="float16")
+    config.update(LLAMA3_8B_SHAPE, quantization_config=AWQ, torch_dtype="float16")
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
 

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -31,42 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.tensor_parallel import decode_step
+
 HIDDEN = 576
-
-
-def _one(model_dir: str, pp: int, batch: int, rounds: int) -> dict[str, Any]:
-    """Run in a child process: one engine, median decode step."""
-    import torch
-
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.sampling_params import SamplingParams
-
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=model_dir,
-            load_format="dummy",
-            dtype="float32",
-            enable_prefix_caching=False,
-            max_num_seqs=batch,
-            kv_cache_memory=1,
-            pipeline_parallel_size=pp,
-        )
-    )
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
-    for i in range(batch):
-        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(32)]}, params)
-    for _ in range(4):  # prefill and warm-up
-        engine.step()
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    engine.shutdown()
-    step = statistics.median(times)
-    return {"threads": torch.get_num_threads(), "step_ms": step * 1e3, "tok_s": batch / step}
 
 
 def _transfer_worker(rank: int, port: int, tokens: list[int], rounds: int, out: Any) -> None:
@@ -110,11 +76,11 @@ def transfer_ms(tokens: list[int], rounds: int = 200) -> dict[str, float]:
     """Median time of each transfer a step makes between two stages."""
     import multiprocessing as mp
 
-    from pagedllm.executor.multiproc import _free_port
+    from pagedllm.executor.multiproc import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_transfer_worker, args=(r, port, tokens, rounds, out)) for r in range(2)]
     for p in procs:
         p.start()
@@ -132,7 +98,7 @@ def main() -> None:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(_one(args.model_dir, args.one, args.batch, args.rounds)))
+        print(json.dumps(decode_step(args.model_dir, args.batch, args.rounds, pipeline_parallel_size=args.one)))
         return
     from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
 

@@ -47,8 +47,8 @@ def _model_dir(path: Path) -> Path:
     return path
 
 
-def _one(model_dir: str, tp: int, batch: int, rounds: int) -> dict[str, Any]:
-    """Run in a child process: one engine, median decode step."""
+def decode_step(model_dir: str, batch: int, rounds: int, **parallel: int) -> dict[str, Any]:
+    """Run in a child process: one engine (``parallel``: its tensor/pipeline sizes), median decode step."""
     import torch
 
     from pagedllm.config import EngineArgs
@@ -63,7 +63,7 @@ def _one(model_dir: str, tp: int, batch: int, rounds: int) -> dict[str, Any]:
             enable_prefix_caching=False,
             max_num_seqs=batch,
             kv_cache_memory=1,
-            tensor_parallel_size=tp,
+            **parallel,
         )
     )
     rng = random.Random(0)
@@ -79,7 +79,7 @@ def _one(model_dir: str, tp: int, batch: int, rounds: int) -> dict[str, Any]:
         times.append(time.perf_counter() - start)
     engine.shutdown()
     step = statistics.median(times)
-    return {"tp": tp, "threads": torch.get_num_threads(), "step_ms": step * 1e3, "tok_s": batch / step}
+    return {"threads": torch.get_num_threads(), "step_ms": step * 1e3, "tok_s": batch / step}
 
 
 def _allreduce_worker(rank: int, port: int, numel: int, rounds: int, shm: bool, out: Any) -> None:
@@ -110,11 +110,11 @@ def allreduce_ms(numel: int, shm: bool, rounds: int = 200) -> float:
     """Median time of one all-reduce (shared memory or gloo) of ``numel`` fp32 values between two processes."""
     import multiprocessing as mp
 
-    from pagedllm.executor.multiproc import _free_port
+    from pagedllm.executor.multiproc import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_allreduce_worker, args=(r, port, numel, rounds, shm, out)) for r in range(2)]
     for p in procs:
         p.start()
@@ -132,7 +132,11 @@ def main() -> None:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one:
-        print(json.dumps(_one(args.model_dir, args.one, args.batch, args.rounds)))
+        print(
+            json.dumps(
+                {"tp": args.one, **decode_step(args.model_dir, args.batch, args.rounds, tensor_parallel_size=args.one)}
+            )
+        )
         return
     from pagedllm.entrypoints.bench.common import env_line, environment, format_table
 
