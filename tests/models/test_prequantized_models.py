@@ -133,8 +133,12 @@ def test_config_errors_name_the_method_and_what_is_supported(quantized, llama_mo
     ("config", "match"),
     [
         (
-            ct("pack-quantized", {"type": "int", "strategy": "group", "group_size": 32, "num_bits": 4}),
-            "4-bit int weights .* not supported yet",
+            ct(
+                "pack-quantized",
+                {"type": "int", "strategy": "group", "group_size": 32, "num_bits": 4},
+                {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True},
+            ),
+            "4-bit int weights with quantized activations \\(W4A8\\) are not supported",
         ),
         (
             ct("int-quantized", {"type": "int", "strategy": "channel", "num_bits": 2}),

@@ -16,8 +16,8 @@ What loads, and on which CPU method:
 
 Symmetric int8 per channel loads exactly (its Q and scales are the kernel's); every other int8
 scheme (groups, blocks, a zero point, which folds into the float weight) is dequantized per layer
-and requantized per output channel. 4-bit (W4A16 ``pack-quantized``) needs an int4 method:
-:func:`refuse_int4` is where it will be wired.
+and requantized per output channel. Symmetric 4-bit weights with float activations (W4A16
+``pack-quantized``, group or channel) run on the int4 kernel instead (``compressed_int4.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.quantization.checkpoint import register
+from pagedllm.layers.quantization.compressed_int4 import CompressedInt4Config
 from pagedllm.layers.quantization.fp8 import FP8_DTYPES
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, PerChannelInt8Method, quantize_per_channel
 from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, expand_scale
@@ -121,19 +122,45 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], pr
     return (values.reshape(n, -1)[:, :k] - (1 << (num_bits - 1))).to(torch.int8)
 
 
+def _is_w4a16(weights: dict[str, Any], activations: dict[str, Any] | None, fmt: str) -> bool:
+    """4-bit int weights with float activations: the int4 kernel's (``compressed_int4.py``)."""
+    return int(weights.get("num_bits", 8)) == 4 and weights.get("type", "int") == "int" and activations is None
+
+
+def _int4_group(weights: dict[str, Any]) -> int:
+    """The group size of a W4A16 scheme the int4 kernel runs (-1: per channel); ValueError else."""
+    strategy = weights.get("strategy", "tensor")
+    if weights.get("actorder"):
+        raise ValueError(f"{_WHERE}: activation-ordered 4-bit groups (actorder) are not supported")
+    if not weights.get("symmetric", True):
+        raise ValueError(
+            f"{_WHERE}: asymmetric 4-bit weights (weight_zero_point) are not supported; symmetric W4A16 is"
+        )
+    if strategy == "channel":
+        return -1
+    group = weights.get("group_size")
+    if strategy != "group" or not isinstance(group, int) or group <= 0:
+        raise ValueError(
+            f"{_WHERE}: 4-bit weights need strategy 'group' with a positive group_size, or 'channel'; "
+            f"got strategy {strategy!r}, group_size {group!r}"
+        )
+    return group
+
+
 def refuse_int4(num_bits: object) -> None:
-    """The one place 4-bit compressed-tensors (W4A16 pack-quantized) is refused until an int4
-    method exists (the unpacking above already handles 4 bits)."""
+    """4-bit int weights reach here only with quantized activations (W4A8), which CPU does not run."""
     if num_bits == 4:
         raise ValueError(
-            f"{_WHERE}: 4-bit int weights (W4A16 pack-quantized) are not supported yet; "
-            "supported: 8-bit int (W8A8, W8A16) and 8-bit float (FP8)"
+            f"{_WHERE}: 4-bit int weights with quantized activations (W4A8) are not supported; "
+            "supported: W4A16, 8-bit int (W8A8, W8A16) and 8-bit float (FP8)"
         )
 
 
 @register("compressed-tensors")
 def parse_compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
     weights, activations, fmt = _single_scheme(config)
+    if _is_w4a16(weights, activations, fmt):
+        return CompressedInt4Config(_int4_group(weights))
     _check_weights(weights, fmt)
     if weights.get("type", "int") == "int" and activations is not None and activations.get("type", "int") == "int":
         target: type[PerChannelInt8Method] = W8A8LinearMethod

@@ -1,0 +1,87 @@
+"""compressed-tensors W4A16 (``pack-quantized``, symmetric int4) on the int4 kernel.
+
+Per linear of N outputs and K inputs the checkpoint stores:
+  weight_packed int32 [N, K / 8]: eight 4-bit values per word along K, lowest bits first, each the
+      signed value q in -8..7 stored as q + 8;
+  weight_scale  [N, K / G] (``group`` strategy; one column for ``channel``);
+  weight_shape  [2] (the unpacked shape; read from the config instead, so dropped).
+W = q * s = ((q + 8) - 8) * s: the int4 method's (u - z) * s with z = 8, so loading is a repack
+(``finish_int4``) one layer at a time. Asymmetric checkpoints (with ``weight_zero_point``) and
+activation-ordered groups are refused (``compressed_tensors.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol, cast
+
+import torch
+from torch import nn
+
+from pagedllm.layers.quantization.awq import PACK, add_packed_param, layer_group_size, unpack_columns
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader
+from pagedllm.layers.quantization.int4 import Int4KernelMethod
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+_IN_ORDER = tuple(range(PACK))  # value j of a word is input 8 w + j
+_OFFSET = 8  # stored value = q + 8
+
+
+class _PackedLayer(Protocol):
+    weight_packed: torch.Tensor
+    weight_scale: torch.Tensor
+
+
+class CompressedInt4Method(Int4KernelMethod):
+    format_name = "compressed-tensors"
+
+    def __init__(self, group_size: int) -> None:
+        super().__init__()
+        self.checkpoint_group = group_size  # -1: one group per row (the channel strategy)
+        self.loaded = False
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        group = layer_group_size("compressed-tensors", self.checkpoint_group, input_size)
+        n, packed = sum(output_sizes), {"output_dim": 0, "input_dim": 1, "packed_dim": 1, "pack_factor": PACK}
+        add_packed_param(layer, "weight_packed", (n, input_size // PACK), torch.int32, weight_loader, **packed)
+        add_packed_param(
+            layer, "weight_scale", (n, input_size // group), params_dtype, weight_loader, output_dim=0, input_dim=1
+        )
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.loaded:
+            return
+        typed = cast(_PackedLayer, layer)
+        q = unpack_columns(typed.weight_packed.data, _IN_ORDER)
+        scale = typed.weight_scale.data.float().contiguous()
+        zero = torch.full_like(scale, float(_OFFSET))
+        for name in ("weight_packed", "weight_scale"):
+            delattr(layer, name)
+        self.finish_int4(layer, q, scale, zero, None)
+        self.loaded = True
+
+
+class CompressedInt4Config(QuantizationConfig):
+    """A W4A16 compressed-tensors checkpoint's linears; the LM head (left float) stays float."""
+
+    name = "compressed-tensors"
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+
+    def get_linear_method(self) -> LinearMethodBase:
+        return CompressedInt4Method(self.group_size)
+
+    def get_lm_head_method(self) -> LinearMethodBase:
+        return UnquantizedLinearMethod()
+
+    def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The stream without the ``weight_shape`` tensors (the config gives every shape)."""
+        return ((name, t) for name, t in weights if not name.endswith(".weight_shape"))
