@@ -169,6 +169,9 @@ class EngineCoreProc:
         except ValueError:
             logger.error("unknown engine message kind %r (%d frames); ignored", frames[0].bytes, len(frames))
             return
+        if len(frames) < 2 and kind is not EngineCoreRequestType.SHUTDOWN:
+            logger.error("engine message %s without a payload (%d frame); ignored", kind.name, len(frames))
+            return
         try:
             payload = decoders[kind].decode(frames[1].buffer) if len(frames) > 1 else None
         except msgspec.DecodeError as exc:  # ValidationError too: a field the front end let through

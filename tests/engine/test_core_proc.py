@@ -416,6 +416,7 @@ def test_a_request_the_engine_cannot_read_or_add_fails_alone(core, front, caplog
             front.send(EngineCoreRequestType.UTILITY.value, (9, "ping"))  # too short for (id, name, args)
             refused_call = front.recv_utility()
             front.input.send_multipart([EngineCoreRequestType.ADD.value, b"\xc1 not msgpack"])  # no one to tell
+            front.input.send_multipart([EngineCoreRequestType.ADD.value])  # no payload at all
         assert garbled.finish_reason == FinishReason.ERROR and "could not read this request" in garbled.stop_reason
         assert boom.finish_reason == FinishReason.ERROR and "cannot take it" in boom.stop_reason
         assert refused_call.call_id == 9 and "could not read" in refused_call.error

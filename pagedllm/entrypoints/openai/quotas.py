@@ -59,6 +59,7 @@ class SlidingWindow:
         return self._total
 
     def charge(self, now: float, amount: int) -> _Charge:
+        self.used(now)  # drop what left the window: a key without a limit is charged too
         charge = _Charge(now, amount)
         self._charges.append(charge)
         self._total += amount
@@ -143,6 +144,7 @@ class Ticket:
         if the window has no room for them now (the request is then not counted in rpm)."""
         tpm, total, now = self.key.tpm, sum(amounts), self.book.clock()
         if tpm is not None and total > tpm:
+            self.state.requests.correct(self._request, 0)  # a refused request is not counted in rpm
             raise ValueError(
                 f"this request reserves {total} tokens (prompt tokens + max_tokens x n per prompt), more "
                 f"than the {tpm} tokens per minute (tpm) of API key {self.key.name!r}; lower max_tokens"
@@ -203,10 +205,19 @@ def reserve_prompts(
     prompts = [_with_ids(p, tokenizer) for p in prompts]
     amounts = []
     for prompt in prompts:
-        num_prompt = len(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_model_len - num_prompt
+        num_prompt = _kept_prompt_tokens(prompt, params, max_model_len)
+        max_tokens = params.max_tokens if params.max_tokens is not None else max(0, max_model_len - num_prompt)
         amounts.append(num_prompt + max_tokens * max(params.n, 1))
     return prompts, ticket.reserve(amounts)
+
+
+def _kept_prompt_tokens(prompt: Any, params: Any, max_model_len: int) -> int:
+    """The prompt's tokens after ``truncate_prompt_tokens`` (k, or -1: as many as fit)."""
+    num_prompt = len(prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt)
+    keep = getattr(params, "truncate_prompt_tokens", None)
+    if keep is not None:
+        num_prompt = min(num_prompt, max_model_len if keep == -1 else keep)
+    return num_prompt
 
 
 def _with_ids(prompt: Any, tokenizer: Any) -> Any:

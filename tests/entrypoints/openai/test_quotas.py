@@ -170,6 +170,39 @@ def test_tpm_final_outputs_unstarted_streams_and_too_large_requests() -> None:
         reserve_prompts(book.admit(key), [[1]], SimpleNamespace(max_tokens=None, n=1), tokenizer, 501)
 
 
+def test_windows_stay_bounded_for_keys_without_rate_limits() -> None:
+    """A key with no rpm / tpm is charged too (its usage counts); what left the window is dropped
+    at each charge, so a long-running server does not keep every request ever made."""
+    clock = Clock()
+    book = QuotaBook(clock=clock)
+    key = ApiKey(b"k", "k", max_concurrent=4)
+    for _ in range(1000):
+        ticket = book.admit(key)
+        reserve_prompts(ticket, [[1, 2]], SimpleNamespace(max_tokens=4, n=1), None, 64)
+        ticket.release()
+        clock.now += 1
+    state = book.state(key)
+    assert len(state.requests._charges) <= 61 and len(state.tokens._charges) <= 61
+
+
+def test_reservations_never_go_negative_and_count_truncated_prompts() -> None:
+    """A prompt longer than max_model_len with max_tokens unset reserves its kept tokens and no
+    generation (never a negative amount that would free room under tpm); truncate_prompt_tokens
+    is applied first. A request refused as too large for tpm is not counted in rpm."""
+    book = QuotaBook()
+    key = ApiKey(b"k", "k", tpm=1000, rpm=5)
+    params = SimpleNamespace(max_tokens=None, n=8, truncate_prompt_tokens=None)
+    _, (charge,) = reserve_prompts(book.admit(key), [[1] * 300], params, None, 256)
+    assert charge.amount == 300  # no room left to generate: 0 tokens x 8, not -44 x 8
+    truncated = SimpleNamespace(max_tokens=None, n=2, truncate_prompt_tokens=100)
+    _, (charge,) = reserve_prompts(book.admit(key), [[1] * 5000], truncated, None, 256)
+    assert charge.amount == 100 + 156 * 2
+    assert book.state(key).requests.used(book.clock()) == 2
+    with pytest.raises(ValueError, match="more than the 1000 tokens per minute"):
+        reserve_prompts(book.admit(key), [[1] * 10], SimpleNamespace(max_tokens=600, n=2), None, 2048)
+    assert book.state(key).requests.used(book.clock()) == 2
+
+
 # ---------------------------------------------------------------------------------- the gate
 def run_gate(gate, token: str) -> dict:
     """One POST /v1/completions through ``gate``; the response start message (or the app's)."""
