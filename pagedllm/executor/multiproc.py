@@ -256,7 +256,9 @@ def init_rank(
         init_method=init_method,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=_INIT_TIMEOUT_S),
+        # Every later collective and transfer inherits this: a pipeline stage waits for the others'
+        # whole step (a long prefill chunk), so it is the step timeout, not the rendezvous one.
+        timeout=datetime.timedelta(seconds=max(_INIT_TIMEOUT_S, envs.executor_timeout_s())),
     )
     from pagedllm.worker.worker import Worker  # noqa: F811 (the real import, after torch's set-up)
 
@@ -335,5 +337,5 @@ def _install_groups(config: EngineConfig, rank: int, world_size: int, same_host:
     # Ranks spin while they wait for each other: only when each has a core of its own.
     own_core = world_size <= cpu_info.usable_cpus()
     if same_host and envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
-        shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=_INIT_TIMEOUT_S)
+        shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=max(_INIT_TIMEOUT_S, envs.executor_timeout_s()))
     set_tp_group(TPGroup(rank, world_size, None, shm))

@@ -230,17 +230,21 @@ def test_quantization_option_must_agree_with_the_checkpoint(llama_model_dir, tmp
         EngineArgs(model=str(quant_dir)).create_engine_config()
 
 
+@pytest.mark.parametrize("group", [32, -1], ids=["group32", "one-group"])
 @pytest.mark.parametrize("method", ["awq", "gptq"])
-def test_tp2_shards_of_packed_tensors_match_the_unsharded_layer(method):
+def test_tp2_shards_of_packed_tensors_match_the_unsharded_layer(method, group):
+    """Each rank's shard of the packed tensors equals the unsharded layer's; with one group per
+    row (-1) the row-parallel layer's single scale / zero column goes whole to every rank."""
     from tests.layers.test_tp_shards import tp_rank
 
     rng = np.random.default_rng(3)
-    config = _config(method, 32)
-    g_idx = np.arange(128) // 32
+    config = _config(method, group)
+    g = 128 if group == -1 else group
+    g_idx = np.arange(128) // g
     x = rng.standard_normal((2, 128)).astype(np.float32)
-    parts = {p: random_int4(n, 128, 32, rng) for p, n in (("q", 64), ("k", 32), ("v", 32))}
+    parts = {p: random_int4(n, 128, g, rng) for p, n in (("q", 64), ("k", 32), ("v", 32))}
     want = {p: reference_linear(x, dequantize(*parts[p][:3], g_idx)) for p in parts}
-    down = random_int4(48, 128, 32, rng)
+    down = random_int4(48, 128, g, rng)
     for rank in range(2):
         with tp_rank(rank, 2):
             qkv = QKVParallelLinear(128, 16, 4, 2, quant_config=config)

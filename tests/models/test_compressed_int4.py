@@ -88,3 +88,16 @@ def test_w4a16_schemes_the_kernel_cannot_run_are_refused(llama_model_dir, tmp_pa
     qc.write_checkpoint(llama_model_dir, tmp_path / "bad", config(16, **weights), w4a16(16))
     with pytest.raises(ValueError, match=match):
         LLM(str(tmp_path / "bad"), kv_cache_memory=0.05)
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"format": "naive-quantized"}, "must be stored pack-quantized"),
+        ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "leaves linears unquantized"),
+    ],
+)
+def test_w4a16_layouts_the_int4_layers_cannot_hold_are_refused(llama_model_dir, tmp_path, change, match):
+    qc.write_checkpoint(llama_model_dir, tmp_path / "bad", {**config(16), **change}, w4a16(16))
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tmp_path / "bad"), kv_cache_memory=0.05)

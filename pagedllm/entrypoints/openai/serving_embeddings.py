@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from pagedllm.entrypoints.openai.auth import quota_ticket
 from pagedllm.entrypoints.openai.engine_client import EngineClient
 from pagedllm.entrypoints.openai.errors import RequestParamError
 from pagedllm.entrypoints.openai.protocol_embeddings import EmbeddingRequest
@@ -62,7 +63,7 @@ class OpenAIServingEmbedding(OpenAIServing):
         self.check_count(len(request.inputs()), "inputs", "input")
         params = request.to_pooling_params()
         prompts = [self._engine_prompt(p, request) for p in request.inputs()]
-        outputs = await until_disconnected(self._embed_all(prompts, params, request.priority), raw_request)
+        outputs = await until_disconnected(self._embed_all(prompts, params, request.priority, raw_request), raw_request)
         return self._body(request, outputs)
 
     def _engine_prompt(self, prompt: str | list[int], request: EmbeddingRequest) -> Any:
@@ -73,11 +74,17 @@ class OpenAIServingEmbedding(OpenAIServing):
             }
         return prompt
 
-    async def _embed_all(self, prompts: list[Any], params: PoolingParams, priority: int) -> list[PoolingRequestOutput]:
-        """Every input at once; one that fails (e.g. too long) cancels the others (they abort)."""
+    async def _embed_all(
+        self, prompts: list[Any], params: PoolingParams, requested_priority: int, raw_request: Request
+    ) -> list[PoolingRequestOutput]:
+        """Every input at once; one that fails (e.g. too long) cancels the others (they abort).
+        They run as the API key's tenant, at most as urgent as the key allows (``_priority``)."""
         request_id = random_id(self.id_prefix)
+        ticket = quota_ticket(raw_request.state)
+        priority = self._priority(requested_priority, ticket)
+        tenant = ticket.key.name if ticket is not None else None
         tasks = [
-            asyncio.ensure_future(self._embed_one(prompt, params, f"{request_id}-{i}", priority))
+            asyncio.ensure_future(self._embed_one(prompt, params, f"{request_id}-{i}", priority, tenant))
             for i, prompt in enumerate(prompts)
         ]
         try:
@@ -89,9 +96,9 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise
 
     async def _embed_one(
-        self, prompt: Any, params: PoolingParams, request_id: str, priority: int
+        self, prompt: Any, params: PoolingParams, request_id: str, priority: int, tenant: str | None
     ) -> PoolingRequestOutput:
-        async with aclosing(self.engine.encode(prompt, params, request_id, priority)) as outputs:
+        async with aclosing(self.engine.encode(prompt, params, request_id, priority, tenant)) as outputs:
             async for output in outputs:
                 return output
         raise RuntimeError(f"the engine ended request {request_id} without an output")

@@ -56,7 +56,7 @@ class OpenAIServingScore(OpenAIServingEmbedding):
         texts = list(dict.fromkeys(t for pair in pairs for t in pair))
         self.check_count(len(texts), "distinct texts", "text_2" if isinstance(request, ScoreRequest) else "documents")
         params = PoolingParams(normalize=True, truncate_prompt_tokens=request.truncate_prompt_tokens)
-        outputs = await until_disconnected(self._embed_all(texts, params, request.priority), raw_request)
+        outputs = await until_disconnected(self._embed_all(texts, params, request.priority, raw_request), raw_request)
         vectors = {}
         for text, output in zip(texts, outputs):
             if output.outputs is None:

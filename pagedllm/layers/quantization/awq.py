@@ -64,6 +64,12 @@ def layer_group_size(method: str, group_size: int, input_size: int) -> int:
     return group
 
 
+def group_dim(group_size: int, dim: int) -> int | None:
+    """The input dim of a per-group tensor (scales, zeros): ``dim``, or None with one group per
+    row (-1), whose single column every tensor-parallel shard of the row shares whole."""
+    return None if group_size == -1 else dim
+
+
 class _AWQLayer(Protocol):
     qweight: torch.Tensor
     qzeros: torch.Tensor
@@ -92,8 +98,11 @@ class AWQLinearMethod(Int4KernelMethod):
             raise ValueError(f"awq packs {PACK} outputs per int32; a layer has outputs {output_sizes}")
         packed = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "pack_factor": PACK}
         add_packed_param(layer, "qweight", (input_size, n // PACK), torch.int32, weight_loader, **packed)
-        add_packed_param(layer, "qzeros", (groups, n // PACK), torch.int32, weight_loader, **packed)
-        add_packed_param(layer, "scales", (groups, n), params_dtype, weight_loader, output_dim=1, input_dim=0)
+        grouped = {**packed, "input_dim": group_dim(self.checkpoint_group, 0)}
+        add_packed_param(layer, "qzeros", (groups, n // PACK), torch.int32, weight_loader, **grouped)
+        add_packed_param(
+            layer, "scales", (groups, n), params_dtype, weight_loader, output_dim=1, input_dim=grouped["input_dim"]
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.loaded:

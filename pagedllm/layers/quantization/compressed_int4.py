@@ -18,7 +18,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.quantization.awq import PACK, add_packed_param, layer_group_size, unpack_columns
+from pagedllm.layers.quantization.awq import PACK, add_packed_param, group_dim, layer_group_size, unpack_columns
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader
 from pagedllm.layers.quantization.int4 import Int4KernelMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
@@ -51,8 +51,15 @@ class CompressedInt4Method(Int4KernelMethod):
         group = layer_group_size("compressed-tensors", self.checkpoint_group, input_size)
         n, packed = sum(output_sizes), {"output_dim": 0, "input_dim": 1, "packed_dim": 1, "pack_factor": PACK}
         add_packed_param(layer, "weight_packed", (n, input_size // PACK), torch.int32, weight_loader, **packed)
+        scale_input = group_dim(self.checkpoint_group, 1)
         add_packed_param(
-            layer, "weight_scale", (n, input_size // group), params_dtype, weight_loader, output_dim=0, input_dim=1
+            layer,
+            "weight_scale",
+            (n, input_size // group),
+            params_dtype,
+            weight_loader,
+            output_dim=0,
+            input_dim=scale_input,
         )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

@@ -127,6 +127,18 @@ def _is_w4a16(weights: dict[str, Any], activations: dict[str, Any] | None, fmt: 
     return int(weights.get("num_bits", 8)) == 4 and weights.get("type", "int") == "int" and activations is None
 
 
+def _check_w4a16(config: dict[str, Any], fmt: str) -> None:
+    """W4A16 runs packed weights on every linear of the transformer (the int4 layers)."""
+    if fmt != "pack-quantized":
+        raise ValueError(f"{_WHERE}: 4-bit int weights must be stored pack-quantized, got format {fmt!r}")
+    left_float = [name for name in config.get("ignore") or [] if name not in ("lm_head", "re:.*lm_head")]
+    if left_float:
+        raise ValueError(
+            f"{_WHERE}: a W4A16 checkpoint that leaves linears unquantized ({', '.join(map(str, left_float))}) "
+            "is not supported: every linear of the transformer must be 4-bit (lm_head may stay float)"
+        )
+
+
 def _int4_group(weights: dict[str, Any]) -> int:
     """The group size of a W4A16 scheme the int4 kernel runs (-1: per channel); ValueError else."""
     strategy = weights.get("strategy", "tensor")
@@ -160,6 +172,7 @@ def refuse_int4(num_bits: object) -> None:
 def parse_compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
     weights, activations, fmt = _single_scheme(config)
     if _is_w4a16(weights, activations, fmt):
+        _check_w4a16(config, fmt)
         return CompressedInt4Config(_int4_group(weights))
     _check_weights(weights, fmt)
     if weights.get("type", "int") == "int" and activations is not None and activations.get("type", "int") == "int":

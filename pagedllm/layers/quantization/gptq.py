@@ -22,7 +22,14 @@ import torch
 from torch import nn
 
 from pagedllm.distributed.parallel_state import get_tp_group
-from pagedllm.layers.quantization.awq import PACK, add_packed_param, check_int4, layer_group_size, unpack_columns
+from pagedllm.layers.quantization.awq import (
+    PACK,
+    add_packed_param,
+    check_int4,
+    group_dim,
+    layer_group_size,
+    unpack_columns,
+)
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader
 from pagedllm.layers.quantization.int4 import Int4KernelMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
@@ -77,9 +84,16 @@ class GPTQLinearMethod(Int4KernelMethod):
         add_packed_param(
             layer, "qweight", (input_size // PACK, n), torch.int32, weight_loader, output_dim=1, input_dim=0
         )
-        zeros = {"output_dim": 1, "input_dim": 0, "packed_dim": 1, "pack_factor": PACK}
+        zeros = {
+            "output_dim": 1,
+            "input_dim": group_dim(self.config.group_size, 0),
+            "packed_dim": 1,
+            "pack_factor": PACK,
+        }
         add_packed_param(layer, "qzeros", (groups, n // PACK), torch.int32, weight_loader, **zeros)
-        add_packed_param(layer, "scales", (groups, n), params_dtype, weight_loader, output_dim=1, input_dim=0)
+        add_packed_param(
+            layer, "scales", (groups, n), params_dtype, weight_loader, output_dim=1, input_dim=zeros["input_dim"]
+        )
         add_packed_param(
             layer, "g_idx", (input_size,), torch.int32, self._g_idx_loader(weight_loader), output_dim=None, input_dim=0
         )

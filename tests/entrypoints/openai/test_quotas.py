@@ -257,3 +257,23 @@ def test_key_priority_is_the_most_urgent_a_request_may_be(policy: str, requested
     ticket = QuotaBook().admit(ApiKey(b"k", "k", priority=3))
     assert serving._priority(requested, ticket) == expected
     assert serving._priority(requested, None) == requested  # no keys: the request's own
+
+
+def test_embeddings_run_as_the_keys_tenant_at_most_as_urgent_as_the_key() -> None:
+    """Embedding and score requests take the key's name as their tenant (fair share) and its
+    priority floor, as generation does."""
+    from pagedllm.entrypoints.openai.serving_embeddings import OpenAIServingEmbedding
+    from pagedllm.pooling_params import PoolingParams
+
+    calls = []
+
+    async def encode(prompt, params, request_id, priority=0, tenant=None):
+        calls.append((priority, tenant))
+        yield SimpleNamespace(request_id=request_id)
+
+    engine = SimpleNamespace(config=SimpleNamespace(scheduler_config=SimpleNamespace(policy="priority")), encode=encode)
+    serving = OpenAIServingEmbedding(engine, None)  # type: ignore[arg-type]
+    ticket = QuotaBook().admit(ApiKey(b"k", "team-a", priority=10))
+    raw_request = SimpleNamespace(state=SimpleNamespace(quota_ticket=ticket))
+    asyncio.run(serving._embed_all(["a", "b"], PoolingParams(), -1_000_000, raw_request))  # type: ignore[arg-type]
+    assert calls == [(10, "team-a"), (10, "team-a")]
