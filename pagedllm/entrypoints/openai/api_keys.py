@@ -10,7 +10,9 @@ The key file holds one key per line, optionally followed by ``FIELD=VALUE`` sett
 SHA-256) is what logs, metrics and the engine's fair share see: the key itself is never logged
 or sent to the engine. ``rpm``, ``tpm`` and ``max_concurrent`` are per-key limits (whole
 numbers >= 1; absent: unlimited); ``priority`` (a whole number, lower runs first) applies under
-``--scheduling-policy priority``. See ``quotas.py`` for how each limit is counted.
+``--scheduling-policy priority``. See ``quotas.py`` for how each limit is counted. ``admin=1``
+marks an operator's key (``--api-key`` keys are admins): it reads every key's usage and the
+recent errors on ``/dashboard/stats``; any other key, its own usage only.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 LIMIT_FIELDS = ("rpm", "tpm", "max_concurrent")
-FIELDS = ("name", *LIMIT_FIELDS, "priority")
+FIELDS = ("name", *LIMIT_FIELDS, "priority", "admin")
+_BOOLEANS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 _NAME = re.compile(r"[A-Za-z0-9._-]{1,64}")
 
 
@@ -36,6 +39,7 @@ class ApiKey:
     tpm: int | None = None  # tokens per minute (see quotas.py for what counts)
     max_concurrent: int | None = None  # requests in flight at once
     priority: int = 0  # under --scheduling-policy priority: the most urgent a request may be
+    admin: bool = False  # may read every key's usage and the recent errors on /dashboard/stats
 
     @property
     def has_limits(self) -> bool:
@@ -50,7 +54,8 @@ def default_name(secret: str) -> str:
 def load_api_keys(keys: list[str] | None, key_file: str | None) -> list[ApiKey]:
     """Keys from ``--api-key`` (repeatable; no limits) and ``--api-key-file`` (see the module doc).
     ValueError naming the file, line and what to change."""
-    found = [ApiKey(k.strip().encode(), default_name(k.strip())) for k in keys or [] if k.strip()]
+    # --api-key is the operator's: an admin key (the file's keys are admins only with admin=1).
+    found = [ApiKey(k.strip().encode(), default_name(k.strip()), admin=True) for k in keys or [] if k.strip()]
     if key_file is not None:
         found += _read_key_file(key_file)
     return _unique(found, key_file)
@@ -76,7 +81,7 @@ def parse_key_line(line: str, where: str) -> ApiKey:
     secret, *settings = line.split()
     if "=" in secret and secret.split("=", 1)[0] in FIELDS:
         raise ValueError(f"{where}: the line starts with {secret.split('=', 1)[0]}=; put the key first")
-    values: dict[str, int | str] = {}
+    values: dict[str, int | str | bool] = {}
     for setting in settings:
         name, sep, value = setting.partition("=")
         if not sep or name not in FIELDS:
@@ -88,7 +93,11 @@ def parse_key_line(line: str, where: str) -> ApiKey:
     return ApiKey(secret.encode(), name, **values)  # type: ignore[arg-type]
 
 
-def _field_value(name: str, value: str, where: str) -> int | str:
+def _field_value(name: str, value: str, where: str) -> int | str | bool:
+    if name == "admin":
+        if value.lower() not in _BOOLEANS:
+            raise ValueError(f"{where}: admin={value!r} must be 1 or 0 (true or false)")
+        return _BOOLEANS[value.lower()]
     if name == "name":
         if not _NAME.fullmatch(value):
             raise ValueError(f"{where}: name={value!r}: use 1-64 letters, digits, '.', '_' or '-'")
@@ -111,8 +120,11 @@ def _unique(keys: list[ApiKey], key_file: str | None) -> list[ApiKey]:
     names: set[str] = set()
     for key in keys:
         seen = by_secret.get(key.secret)
-        if seen == key:
-            continue  # the same key and settings twice (say --api-key and the file): harmless
+        if seen is not None and replace(seen, admin=key.admin) == key:
+            # The same key and settings twice (say --api-key and the file): harmless; it is an
+            # admin if either listing makes it one.
+            by_secret[key.secret] = replace(seen, admin=seen.admin or key.admin)
+            continue
         if seen is not None:
             raise ValueError(f"the API key named {key.name!r} is listed again as {seen.name!r}; list it once")
         if key.name in names:

@@ -113,3 +113,12 @@ def _per_key(snap: MetricSnapshot) -> dict[str, dict[str, float]]:
 
 def page_html() -> str:
     return PAGE.read_text()
+
+
+def for_tenant(stats: dict[str, Any], key_name: str) -> dict[str, Any]:
+    """What a non-admin key may see: the server-wide figures, its own row of per-key usage, the
+    error counts by status, and none of the recent errors (their messages may quote other
+    tenants' requests)."""
+    errors = {**stats["errors"], "recent": []}
+    own = {name: usage for name, usage in stats["keys"].items() if name == key_name}
+    return {**stats, "keys": own, "errors": errors}

@@ -43,6 +43,7 @@ def test_key_file_with_limits_and_plain_lines(tmp_path) -> None:
         ("sk-a name=tëam", "line 2: name='tëam': use 1-64 letters"),
         ("sk-a rpm=1 rpm=2", "line 2: rpm is set twice"),
         ("rpm=5 sk-a", "line 2: the line starts with rpm=; put the key first"),
+        ("sk-a admin=maybe", "line 2: admin='maybe' must be 1 or 0"),
     ],
 )
 def test_key_file_errors_name_the_line_and_the_fix(tmp_path, line: str, message: str) -> None:
@@ -277,3 +278,24 @@ def test_embeddings_run_as_the_keys_tenant_at_most_as_urgent_as_the_key() -> Non
     raw_request = SimpleNamespace(state=SimpleNamespace(quota_ticket=ticket))
     asyncio.run(serving._embed_all(["a", "b"], PoolingParams(), -1_000_000, raw_request))  # type: ignore[arg-type]
     assert calls == [(10, "team-a"), (10, "team-a")]
+
+
+def test_admin_keys_and_what_a_tenant_sees_on_the_dashboard(tmp_path) -> None:
+    """--api-key keys are admins; a key file's only with admin=1. A tenant's dashboard stats keep
+    the server-wide figures and its own usage, and drop other keys' rows and the recent errors."""
+    from pagedllm.entrypoints.openai.dashboard import for_tenant
+
+    path = write(tmp_path, "sk-ops name=ops admin=1\nsk-a name=team-a\n")
+    cli, ops, team = load_api_keys(["sk-cli"], path)
+    assert cli.admin and ops.admin and not team.admin
+    stats = {
+        "requests": {"running": 3},
+        "keys": {"ops": {"requests": 1.0}, "team-a": {"requests": 5.0}, "team-b": {"requests": 9.0}},
+        "errors": {"counts": {"400": 2}, "recent": [{"message": "team-b's prompt was ..."}]},
+    }
+    seen = for_tenant(stats, "team-a")
+    assert seen == {
+        "requests": {"running": 3},
+        "keys": {"team-a": {"requests": 5.0}},
+        "errors": {"counts": {"400": 2}, "recent": []},
+    }
