@@ -20,7 +20,7 @@ from .conftest import AUTH, DEPLOY, metric, nudge
 
 pytestmark = pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed (.ci/run installs it)")
 
-STREAM_TOKENS = 32
+STREAM_TOKENS = 160  # long enough that the generation, not scheduling noise, sets the spread
 LONG_MAX_TOKENS = 4000
 
 
@@ -97,13 +97,15 @@ def test_stream_arrives_event_by_event_through_nginx(live_server, proxy):
     """Through nginx the events come in about as many separate reads, spread over about as long,
     as straight from the server. A buffering proxy hands them over in a few blobs (one, for this
     short stream: tried with proxy_buffering on and gzip), which fails both checks."""
+    _timed_reads(live_server.server.url)  # warm-up: a first stream can be slow (lazy set-up) and skew the spread
     direct_events, direct = _timed_reads(live_server.server.url)
     events, arrivals = _timed_reads(proxy)
     assert len(events) == len(direct_events) == STREAM_TOKENS + 1 and events[-1] == "data: [DONE]"
     assert len(arrivals) >= max(3, len(direct) // 2), (
         f"{len(events)} events in {len(arrivals)} reads ({len(direct)} direct)"
     )
-    assert arrivals[-1] - arrivals[0] >= 0.25 * (direct[-1] - direct[0])
+    # Generous: the two streams are separate requests, each timed on a shared machine.
+    assert arrivals[-1] - arrivals[0] >= 0.1 * (direct[-1] - direct[0])
 
 
 def test_hang_up_through_nginx_aborts_the_request(live_server, proxy):
