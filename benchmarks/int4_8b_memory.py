@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from benchmarks.gpu.make_llama3_8b_config import LLAMA3_8B_SHAPE
+from benchmarks.quantized_load_memory import status_kib
 
 AWQ = {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}
 GiB = 1 << 30
@@ -34,13 +35,6 @@ def write_model_dir(path: Path) -> Path:
     config.update(LLAMA3_8B_SHAPE, quantization_config=AWQ, torch_dtype="float16")
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path
-
-
-def _kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    return 0
 
 
 def main() -> None:
@@ -72,7 +66,7 @@ def main() -> None:
     )
     print("|---|---|---|---|---|---|---|")
     print(
-        f"| Llama-3-8B shape, AWQ 4-bit (dummy) | {weights:.2f} | {args.kv_gib:g} | {_kib('VmHWM') / (1 << 20):.2f} "
+        f"| Llama-3-8B shape, AWQ 4-bit (dummy) | {weights:.2f} | {args.kv_gib:g} | {status_kib('VmHWM') / (1 << 20):.2f} "
         f"| {total:.1f} | {ready:.1f} | {per_token:.2f} |"
     )
 

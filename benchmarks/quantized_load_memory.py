@@ -85,7 +85,8 @@ def write_checkpoint(path: Path, shape: dict[str, Any], shard_bytes: int) -> Pat
     return path
 
 
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
+    """A ``/proc/self/status`` field (VmHWM, RssAnon, ...) in KiB (0 when absent)."""
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
@@ -104,13 +105,13 @@ def measure(model_dir: str, streamed: bool) -> dict[str, float]:
     if not streamed:
         Int8Config.quantize_on_load = None  # the old road: quantize after loading
     arch = EngineArgs(model=model_dir, quantization="int8").create_engine_config().model_config.arch
-    peak_anon, done = [_status_kib("RssAnon")], threading.Event()
+    peak_anon, done = [status_kib("RssAnon")], threading.Event()
 
     def sample() -> None:
         while not done.wait(0.005):
-            peak_anon[0] = max(peak_anon[0], _status_kib("RssAnon"))
+            peak_anon[0] = max(peak_anon[0], status_kib("RssAnon"))
 
-    base_anon = _status_kib("RssAnon")
+    base_anon = status_kib("RssAnon")
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
@@ -121,7 +122,7 @@ def measure(model_dir: str, streamed: bool) -> dict[str, float]:
     return {
         "weights_gib": weight_bytes(model) / GiB,
         "peak_anon_gib": (peak_anon[0] - base_anon) * 1024 / GiB,
-        "vm_hwm_gib": _status_kib("VmHWM") * 1024 / GiB,
+        "vm_hwm_gib": status_kib("VmHWM") * 1024 / GiB,
         "seconds": seconds,
     }
 

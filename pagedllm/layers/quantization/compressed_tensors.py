@@ -159,7 +159,7 @@ def _int4_group(weights: dict[str, Any]) -> int:
     return group
 
 
-def refuse_int4(num_bits: object) -> None:
+def refuse_w4a8(num_bits: object) -> None:
     """4-bit int weights reach here only with quantized activations (W4A8), which CPU does not run."""
     if num_bits == 4:
         raise ValueError(
@@ -207,7 +207,7 @@ def _check_weights(weights: dict[str, Any], fmt: str) -> None:
     if (kind == "float") != (fmt == "float-quantized"):
         raise ValueError(f"{_WHERE}: format {fmt!r} does not hold {kind} weights")
     if kind == "int":
-        refuse_int4(bits)
+        refuse_w4a8(bits)
     if bits != 8 or kind not in ("int", "float"):
         raise ValueError(f"{_WHERE}: {bits}-bit {kind} weights are not supported; supported: 8-bit int or float")
     if strategy not in STRATEGIES:
