@@ -40,10 +40,11 @@ class QuotaExceeded(Exception):
 class _Charge:
     """One entry of a window: an amount charged at a time (a reservation can be corrected)."""
 
-    __slots__ = ("time", "amount")
+    __slots__ = ("time", "amount", "prompt")
 
-    def __init__(self, time: float, amount: int) -> None:
-        self.time, self.amount = time, amount
+    def __init__(self, time: float, amount: int, prompt: int = 0) -> None:
+        # prompt: a reservation's prompt tokens, charged if its stream ends before any output
+        self.time, self.amount, self.prompt = time, amount, prompt
 
 
 class SlidingWindow:
@@ -58,9 +59,9 @@ class SlidingWindow:
             self._total -= self._charges.popleft().amount
         return self._total
 
-    def charge(self, now: float, amount: int) -> _Charge:
+    def charge(self, now: float, amount: int, prompt: int = 0) -> _Charge:
         self.used(now)  # drop what left the window: a key without a limit is charged too
-        charge = _Charge(now, amount)
+        charge = _Charge(now, amount, prompt)
         self._charges.append(charge)
         self._total += amount
         return charge
@@ -139,9 +140,10 @@ class Ticket:
         if book.metrics is not None:
             book.metrics.request(key.name)
 
-    def reserve(self, amounts: list[int]) -> list[_Charge]:
-        """Reserve tokens for each prompt; ValueError if they alone exceed tpm, QuotaExceeded
-        if the window has no room for them now (the request is then not counted in rpm)."""
+    def reserve(self, amounts: list[int], prompts: list[int] | None = None) -> list[_Charge]:
+        """Reserve tokens for each prompt (``prompts``: the prompt tokens within each amount);
+        ValueError if they alone exceed tpm, QuotaExceeded if the window has no room for them
+        now (the request is then not counted in rpm)."""
         tpm, total, now = self.key.tpm, sum(amounts), self.book.clock()
         if tpm is not None and total > tpm:
             self.state.requests.correct(self._request, 0)  # a refused request is not counted in rpm
@@ -159,7 +161,8 @@ class Ticket:
                 wait,
                 "tpm",
             )
-        charges = [self.state.tokens.charge(now, amount) for amount in amounts]
+        prompts = prompts or [0] * len(amounts)
+        charges = [self.state.tokens.charge(now, amount, prompt) for amount, prompt in zip(amounts, prompts)]
         self._unstarted += charges
         return charges
 
@@ -171,7 +174,9 @@ class Ticket:
     async def _meter(self, charge: _Charge, outputs: AsyncIterator[Any], delta: bool) -> AsyncIterator[Any]:
         if charge in self._unstarted:
             self._unstarted.remove(charge)
-        prompt = generated = 0
+        # A client that hangs up before the first output still pays for its prompt: the engine
+        # had taken it (and may have prefilled it) by then.
+        prompt, generated = charge.prompt, 0
         try:
             async for output in outputs:
                 prompt = len(output.prompt_token_ids or ())
@@ -203,12 +208,13 @@ def reserve_prompts(
     if ticket.key.tpm is None:
         return prompts, ticket.reserve([0] * len(prompts))
     prompts = [_with_ids(p, tokenizer) for p in prompts]
-    amounts = []
+    amounts, num_prompts = [], []
     for prompt in prompts:
         num_prompt = _kept_prompt_tokens(prompt, params, max_model_len)
         max_tokens = params.max_tokens if params.max_tokens is not None else max(0, max_model_len - num_prompt)
         amounts.append(num_prompt + max_tokens * max(params.n, 1))
-    return prompts, ticket.reserve(amounts)
+        num_prompts.append(num_prompt)
+    return prompts, ticket.reserve(amounts, num_prompts)
 
 
 def _kept_prompt_tokens(prompt: Any, params: Any, max_model_len: int) -> int:

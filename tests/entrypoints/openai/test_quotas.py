@@ -167,6 +167,12 @@ def test_tpm_final_outputs_unstarted_streams_and_too_large_requests() -> None:
     drain(ticket.metered(used, stream([output(2, [3]), output(2, [7])]), delta=False))  # cumulative: 7
     ticket.release()  # the second prompt's stream never ran: it used nothing
     assert book.state(key).tokens.used(book.clock()) == 9 and book.state(key).in_flight == 0
+    # A stream that ends before its first output (the client hung up) pays for its prompt.
+    ticket = book.admit(key)
+    _, (hung_up,) = reserve_prompts(ticket, [[1, 2, 3]], SimpleNamespace(max_tokens=10, n=1), tokenizer, 64)
+    drain(ticket.metered(hung_up, stream([]), delta=True))
+    ticket.release()
+    assert book.state(key).tokens.used(book.clock()) == 9 + 3
     with pytest.raises(ValueError, match="reserves 501 tokens .* more than the 100 tokens per minute .* max_tokens"):
         reserve_prompts(book.admit(key), [[1]], SimpleNamespace(max_tokens=None, n=1), tokenizer, 501)
 
