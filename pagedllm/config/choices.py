@@ -18,7 +18,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py read
 # CHECKPOINT_FORMATS): awq and gptq on the int4 kernel, the others converted onto int8 / w8a8 at load.
 CHECKPOINT_QUANT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes")
 # layers/quantization/ (QUANTIZATION_CONFIGS, then the checkpoint formats)
-QUANTIZATION_METHODS = ("int8", "w8a8", "int4", *CHECKPOINT_QUANT_METHODS)
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "gguf", *CHECKPOINT_QUANT_METHODS)
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers/attention/selector.py

@@ -101,8 +101,9 @@ class ModelArgs:
         "activations (int8 dot products), faster large-batch decode and prefill; the LM head stays float32. "
         "Quantized checkpoints are detected from config.json's quantization_config (naming their method "
         "here is optional): awq / gptq run on the int4 kernel; fp8, compressed-tensors and bitsandbytes "
-        "load onto the int8 layers",
-        choices=QUANTIZATION_METHODS,
+        "load onto the int8 layers. A GGUF file loads as gguf by default on CPU (its Q4_0 / Q4_1 / Q4_K "
+        "linears on the int4 kernel, the other tensors float32); none: dequantize it all to float",
+        choices=("none", *QUANTIZATION_METHODS),
         default_help="off",
         aliases=("-q",),
     )
@@ -134,7 +135,8 @@ class ModelArgs:
     def create_model_config(self, model_dir: str, arch: ModelArchConfig, device: str, load_format: str) -> ModelConfig:
         check_architecture(arch)
         dtype = resolve_dtype(self.dtype, arch, device)
-        quantization = resolve_quantization(self.quantization, arch)
+        requested = self.quantization or default_quantization(arch, device, dtype)
+        quantization = resolve_quantization(None if requested == "none" else requested, arch)
         check_quantization(quantization, device, dtype)
         check_max_logprobs(self.max_logprobs)
         return ModelConfig(
@@ -182,9 +184,20 @@ def checkpoint_quant_method(arch: ModelArchConfig) -> str | None:
     return method.lower()
 
 
+def default_quantization(arch: ModelArchConfig, device: str, dtype: str) -> str | None:
+    """What a model loads as when no quantization is asked for: a GGUF file's 4-bit linears stay
+    4-bit on CPU in float32 ("gguf"); everything else as the checkpoint has it."""
+    return "gguf" if "gguf_file" in arch.extra and device == "cpu" and dtype == "float32" else None
+
+
 def resolve_quantization(requested: str | None, arch: ModelArchConfig) -> str | None:
     """The weight format to load with: the checkpoint's quant_method when config.json has one
     (``requested`` may only repeat it), else ``requested``."""
+    if requested == "gguf" and "gguf_file" not in arch.extra:
+        raise ValueError(
+            "quantization='gguf' keeps a GGUF file's 4-bit linears as they are stored, but the model is "
+            "not a .gguf file; drop it (or pass int8 / int4 / w8a8 to quantize this checkpoint at load)"
+        )
     method = checkpoint_quant_method(arch)
     if method is None:
         if requested in CHECKPOINT_QUANT_METHODS:

@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.gguf_config import read_metadata
 from pagedllm.gguf_metadata import GGUFMetadata, TensorInfo
+from pagedllm.layers.quantization.gguf import Q4_SUFFIXES, is_q4_linear, q4_to_int4
 from pagedllm.model_arch import ModelArchConfig
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -56,37 +57,49 @@ def iterate_gguf(
     arch: ModelArchConfig,
     keep: Callable[[str], bool] | None = None,
     header: GGUFMetadata | None = None,
+    keep_4bit: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file (whose name ``keep``
     accepts), one at a time from the memory-mapped file. The header (``header`` if the caller
-    has read it) is read, and a bad file refused, now, before the caller allocates the model."""
-    return _dequantized(header or read_metadata(path), path, arch, keep)
+    has read it) is read, and a bad file refused, now, before the caller allocates the model.
+    ``keep_4bit``: a linear's Q4_0 / Q4_1 / Q4_K weight comes as its int4 parts instead
+    (``layers/quantization/gguf.py``: ``...q_proj.gguf_q``, ``.gguf_scale``, ``.gguf_zero``)."""
+    return _dequantized(header or read_metadata(path), path, arch, keep, keep_4bit)
 
 
 def _dequantized(
-    header: GGUFMetadata, path: str | Path, arch: ModelArchConfig, keep: Callable[[str], bool] | None
+    header: GGUFMetadata,
+    path: str | Path,
+    arch: ModelArchConfig,
+    keep: Callable[[str], bool] | None,
+    keep_4bit: bool,
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.constants import GGMLQuantizationType
+
     file = np.memmap(path, dtype=np.uint8, mode="r")
     for name, info in header.tensors.items():
-        if keep is not None and not keep(hf_tensor_name(name)):
+        hf_name = hf_tensor_name(name)
+        if keep is not None and not keep(hf_name):
             continue  # never dequantized: another pipeline stage's tensor
+        qtype = GGMLQuantizationType(info.ggml_type).name
+        if keep_4bit and is_q4_linear(hf_name, qtype):
+            parts = q4_to_int4(_rows(name, info, file[header.data_offset :], path), qtype)
+            for suffix, part in zip(Q4_SUFFIXES, parts):
+                yield hf_name.removesuffix("weight") + suffix, torch.from_numpy(unpermute_qk(name, part, arch))
+            continue
         weights = unpermute_qk(name, dequantize(name, info, file[header.data_offset :], path), arch)
-        yield hf_tensor_name(name), torch.from_numpy(weights)
+        yield hf_name, torch.from_numpy(weights)
 
 
 def dequantize(name: str, info: TensorInfo, data: np.ndarray, path: str | Path) -> np.ndarray:
     """Tensor ``name`` of the data section ``data`` as a writable float32 array in the Hugging Face
     layout ([out, in] for a matrix): its rows' bytes handed to ``gguf.quants.dequantize``."""
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.constants import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
     qtype = GGMLQuantizationType(info.ggml_type)  # known: the header check looked it up
     shape = tuple(reversed(info.shape))  # GGUF lists dimensions innermost first
-    block, type_size = GGML_QUANT_SIZES[qtype]
-    if shape[-1] % block:
-        raise ValueError(f"{path}: tensor {name!r} has rows of {shape[-1]} values, not whole {qtype.name} blocks")
-    rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block * type_size
-    raw = data[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
+    raw = _rows(name, info, data, path)
     try:
         values = gguf_dequantize(raw, qtype)
     except (NotImplementedError, ValueError) as exc:
@@ -96,6 +109,19 @@ def dequantize(name: str, info: TensorInfo, data: np.ndarray, path: str | Path) 
         ) from exc
     values = values.reshape(shape)
     return values if values.flags.writeable and values.dtype == np.float32 else values.astype(np.float32)
+
+
+def _rows(name: str, info: TensorInfo, data: np.ndarray, path: str | Path) -> np.ndarray:
+    """Tensor ``name``'s bytes as uint8 [rows, bytes per row] (a view of the memory-mapped file)."""
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType(info.ggml_type)
+    shape = tuple(reversed(info.shape))
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if shape[-1] % block:
+        raise ValueError(f"{path}: tensor {name!r} has rows of {shape[-1]} values, not whole {qtype.name} blocks")
+    rows, row_bytes = math.prod(shape[:-1]), shape[-1] // block * type_size
+    return data[info.offset : info.offset + rows * row_bytes].reshape(rows, row_bytes)
 
 
 def supported_tensor_types() -> list[str]:

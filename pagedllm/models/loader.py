@@ -60,7 +60,7 @@ def load_model(
             f"load_format='dummy' cannot fill the layers of a pre-quantized ({quantization}) checkpoint; "
             "load its weights, or use a float config.json for random weights"
         )
-    weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch)
+    weights = None if load_format == "dummy" else _checkpoint_weights(model_dir, load_format, arch, quantization)
     if weights is not None:  # e.g. int8 quantizes each float tensor as it streams in
         quant_config = for_checkpoint(quant_config)
     model = build_model(arch, dtype, device, quant_config)
@@ -76,13 +76,15 @@ def load_model(
 _Stream = Callable[[Callable[[str], bool] | None], Iterator[tuple[str, torch.Tensor]]]
 
 
-def _checkpoint_weights(model_dir: str | None, load_format: str, arch: ModelArchConfig) -> _Stream:
+def _checkpoint_weights(
+    model_dir: str | None, load_format: str, arch: ModelArchConfig, quantization: str | None
+) -> _Stream:
     """The checkpoint's (name, tensor) stream given a name filter (None: every tensor; a pipeline
     stage reads only its own), its files checked now, before any memory is allocated."""
     if model_dir is not None and (load_format == "gguf" or is_gguf_file(model_dir)):
         path = resolve_checkpoint(model_dir, load_format)
         header = read_metadata(path)  # a bad file is refused before the model is allocated
-        return lambda keep: iterate_gguf(path, arch, keep, header)
+        return lambda keep: iterate_gguf(path, arch, keep, header, keep_4bit=quantization == "gguf")
     files = _checkpoint_files(model_dir)
     return lambda keep: iterate_safetensors(files, keep)
 
@@ -143,7 +145,9 @@ def _load_checkpoint(model: nn.Module, weights: Iterator[tuple[str, torch.Tensor
 def check_loaded(model: nn.Module, loaded: set[str], checkpoint_names: Iterable[str], where: str) -> None:
     """ValueError listing our parameters that got no weights and checkpoint tensors we don't know."""
     # named_parameters() dedups shared tensors, so a tied lm_head is not reported missing.
-    missing = sorted(set(dict(model.named_parameters())) - loaded)
+    # load_optional: one of several forms a layer takes (GGUF's float or 4-bit parts); its method checks.
+    params = model.named_parameters()
+    missing = sorted({n for n, p in params if not getattr(p, "load_optional", False)} - loaded)
     known = set(dict(model.named_parameters(remove_duplicate=False)))
     mapping, rename = name_maps(model)
     unexpected = sorted(

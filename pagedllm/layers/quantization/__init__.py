@@ -18,6 +18,7 @@ from typing import Any
 from pagedllm.layers.quantization import bitsandbytes, compressed_tensors, fp8  # noqa: F401
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.checkpoint import CHECKPOINT_FORMATS, checkpoint_quant_config
+from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.int4 import Int4Config
 from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
@@ -27,6 +28,7 @@ QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
     "int8": Int8Config,
     "w8a8": W8A8Config,
     "int4": Int4Config,
+    "gguf": GGUFConfig,
 }
 QUANTIZATION_METHODS = (*QUANTIZATION_CONFIGS, *CHECKPOINT_FORMATS)
 

@@ -1,0 +1,145 @@
+"""GGUF's 4-bit linears on the int4 kernel (``layers/quantization/gguf.py``): Q4_0 / Q4_1 / Q4_K
+blocks repack to (q, scale, zero) that dequantize to what gguf-py decodes, a fused layer whose
+parts mix 4-bit and float tensors runs as float, and a GGUF model loads 4-bit by default with the
+greedy tokens of transformers' own (dequantizing) GGUF loader."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.layers.linear import MergedColumnParallelLinear
+from pagedllm.layers.quantization import building_with
+from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod, q4_to_int4
+from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+gguf = pytest.importorskip("gguf")
+from gguf.constants import GGMLQuantizationType  # noqa: E402
+from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
+from gguf.quants import quantize as gguf_quantize  # noqa: E402
+
+
+def _weights(rows: int = 16, cols: int = 256) -> np.ndarray:
+    w = np.random.default_rng(0).standard_normal((rows, cols)).astype(np.float32)
+    w[0, :32] = 0.0  # a zero group (scale 0)
+    w[1, 32:64] = 0.75  # a constant group
+    return w
+
+
+def _repacked(raw: np.ndarray, qtype: str) -> np.ndarray:
+    q, scale, zero = q4_to_int4(raw, qtype)
+    assert q.dtype == np.uint8 and q.max() <= 15 and scale.shape == zero.shape == (raw.shape[0], q.shape[1] // 32)
+    return dequantize(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero)).numpy()
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
+def test_q4_0_and_q4_1_repack_to_the_dequantized_weights(qtype: str) -> None:
+    raw = gguf_quantize(_weights(), GGMLQuantizationType[qtype])
+    want = gguf_dequantize(raw, GGMLQuantizationType[qtype])
+    got = _repacked(raw, qtype)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    assert np.array_equal(got[0, :32], want[0, :32]) and np.array_equal(got[1, 32:64], want[1, 32:64])
+
+
+def test_q4_k_repacks_to_the_dequantized_weights() -> None:
+    # Random Q4_K blocks (144 bytes per 256 values): finite d / dmin, any 6-bit scales and nibbles.
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, size=(8 * 2, 144), dtype=np.uint8)
+    blocks[:, 0:4] = np.frombuffer(
+        rng.uniform(0.001, 0.05, size=(16, 2)).astype(np.float16).tobytes(), np.uint8
+    ).reshape(16, 4)
+    blocks[0, 0:2] = 0  # d = 0: every group of the block is constant (-dmin * min)
+    raw = blocks.reshape(8, 2 * 144)  # 8 rows of 512 values
+    want = gguf_dequantize(raw, GGMLQuantizationType.Q4_K)
+    got = _repacked(raw, "Q4_K")
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+    assert np.array_equal(got[0, :256], want[0, :256])
+
+
+def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinear, torch.Tensor]:
+    """gate/up of 32 outputs each over 64 inputs, each part given as Q4_0 parts or a float tensor;
+    returns the layer after loading and the reference ``x @ W.T`` of the dequantized weights."""
+    with building_with(GGUFConfig()):
+        layer = MergedColumnParallelLinear(64, [32, 32], bias=False)
+    params = dict(layer.named_parameters())
+    reference = []
+    for shard, (kind, w) in enumerate(zip(parts, np.split(_weights(64, 64), 2))):
+        raw = gguf_quantize(w, GGMLQuantizationType.Q4_0)
+        if kind == "q4":
+            for name, part in zip(("gguf_q", "gguf_scale", "gguf_zero"), q4_to_int4(raw, "Q4_0")):
+                params[name].weight_loader(params[name], torch.from_numpy(part), shard)
+        else:
+            params["weight"].weight_loader(params["weight"], torch.from_numpy(w), shard)
+        reference.append(gguf_dequantize(raw, GGMLQuantizationType.Q4_0) if kind == "q4" else w)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer, x @ torch.from_numpy(np.concatenate(reference)).T
+
+
+def test_a_layer_of_4bit_parts_runs_the_int4_kernel_and_mixed_parts_run_float() -> None:
+    x = torch.randn(3, 64)
+    layer, want = _layer(["q4", "q4"], x)
+    assert isinstance(layer.quant_method, GGUFLinearMethod) and layer.weight.dtype == torch.uint8
+    assert not hasattr(layer, "gguf_q")
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    layer, want = _layer(["q4", "float"], x)
+    assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_layer_missing_a_part_names_it() -> None:
+    with building_with(GGUFConfig()):
+        layer = MergedColumnParallelLinear(64, [32, 32], bias=False)
+    weight = dict(layer.named_parameters())["weight"]
+    weight.weight_loader(weight, torch.zeros(32, 64), 0)
+    with pytest.raises(ValueError, match=r"no tensor for part\(s\) \[1\] of a linear layer with outputs \[32, 32\]"):
+        layer.quant_method.process_weights_after_loading(layer)
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(llama_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from safetensors.torch import load_file
+
+    from pagedllm.entrypoints.bench.gguf_export import write_gguf
+    from pagedllm.hf_config import load_hf_config
+
+    state: dict[str, Any] = {}
+    for f in sorted(llama_model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    out = tmp_path_factory.mktemp("gguf-q4") / "tiny-Q4_1.gguf"
+    return write_gguf(state, load_hf_config(llama_model_dir), out, quant="Q4_1")
+
+
+def _linear_methods(llm: LLM) -> set[type]:
+    model = llm.llm_engine.engine_core.executor.worker.model_runner.model  # type: ignore[attr-defined]
+    return {type(m.quant_method) for m in model.model.layers.modules() if hasattr(m, "quant_method")}
+
+
+def test_a_q4_1_gguf_loads_4bit_by_default_with_transformers_greedy_tokens(
+    q4_1_gguf: Path, llama_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5, 17, 99, 3, 250], [42, 7, 7, 300, 11, 64, 2]]
+    hf = AutoModelForCausalLM.from_pretrained(str(q4_1_gguf.parent), gguf_file=q4_1_gguf.name, dtype=torch.float32)
+    llm = LLM(str(q4_1_gguf), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
+    assert llm.llm_engine.config.model_config.quantization == "gguf"
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    assert _linear_methods(llm) == {GGUFLinearMethod} and issubclass(GGUFLinearMethod, Int4KernelMethod)
+    floats = LLM(str(q4_1_gguf), tokenizer=str(llama_model_dir), quantization="none", kv_cache_memory=0.05)
+    assert floats.llm_engine.config.model_config.quantization is None
+    assert _linear_methods(floats) == {UnquantizedLinearMethod}
+
+
+def test_gguf_quantization_on_a_safetensors_model_is_a_value_error(llama_model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's 4-bit linears .* not a .gguf file"):
+        LLM(str(llama_model_dir), quantization="gguf")
