@@ -1,4 +1,4 @@
-// A Llama decoder stack's decode step in one call: every layer's norms, GEMMs (packed fp32, int8 or w8a8), RoPE, K/V
+// A Llama decoder stack's decode step in one call: every layer's norms, GEMMs (packed fp32, int8, w8a8 or int4), RoPE, K/V
 // write, paged decode attention and SwiGLU, in the order the Python modules run them and with the
 // same kernels, so the result is bitwise the modules' result.
 //
@@ -22,10 +22,10 @@
 namespace {
 
 // How the stack's linears are stored, one method for all of them (the quant_method of each layer).
-enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2 };
+enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2, kInt4 = 3 };
 
 // The per-layer tensors, as lists indexed by layer; the linears 4 per layer (qkv, o, gate_up,
-// down), with each one's scale and w8a8 compensation where its method has them.
+// down), with each one's scale and w8a8 compensation (int4: zero point) where its method has them.
 struct Layers {
   at::TensorList input_norm, post_norm, kv_cache, linears;
   const std::vector<std::optional<at::Tensor>>& scales;
@@ -57,6 +57,9 @@ struct Layers {
         return packed_linear_int8(x, linears[at], *scales[at], bias);
       case Method::kW8A8:
         return linear_w8a8(x, linears[at], *scales[at], *comps[at], bias, w8a8_path);
+      case Method::kInt4:  // the group size: K over the scale's groups
+        return packed_linear_int4(x, linears[at], *scales[at], *comps[at], bias,
+                                  linears[at].size(1) / scales[at]->size(1));
       default:
         return packed_linear(x, linears[at], bias);
     }
@@ -106,14 +109,14 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
   TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
                   linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
               "decode_stack_: every per-layer list needs one entry per layer (", n, "), the linears four");
-  TORCH_CHECK(method >= 0 && method <= 2, "decode_stack_: method must be 0 (packed), 1 (int8) or 2 (w8a8)");
+  TORCH_CHECK(method >= 0 && method <= 3, "decode_stack_: method must be 0 (packed), 1 (int8), 2 (w8a8) or 3 (int4)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
   TORCH_CHECK(!lora_slots.has_value() || (lora_a.size() == 4 * n && lora_b.size() == 7 * n),
               "decode_stack_: LoRA needs one A per linear and one B per projection (7 per layer)");
   const Method m = static_cast<Method>(method);
   for (size_t j = 0; j < linears.size(); ++j)
     TORCH_CHECK(m == Method::kPacked || (scales[j].has_value() && (m == Method::kInt8 || comps[j].has_value())),
-                "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation) of its method");
+                "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation, int4 zero) of its method");
   const Layers w{input_norm, post_norm, kv_cache, linears, scales, comps, qkv_bias, windows,
                  m, w8a8_path, lora_a, lora_b, lora_slots, max_loras, max_rank};
   at::Tensor residual;

@@ -6,8 +6,8 @@ on an AVX2 machine, a third of the step. The op runs the same kernels in the sam
 result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
-with the kernels built; every linear of the layers in one method, packed fp32, ``int8`` or
-``w8a8`` (a bias only on qkv); no tensor parallelism; the attention layers' own Llama q/k path
+with the kernels built; every linear of the layers in one method, packed fp32, ``int8``,
+``w8a8`` or the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit) (a bias only on qkv); no tensor parallelism; the attention layers' own Llama q/k path
 (Qwen3's per-head q/k norm is not); and an attention step whose every token is one query row on
 the paged decode kernel (decodes, speculative verification). Anything else runs the modules.
 ``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules. With LoRA slots on the linears (CPU
@@ -27,6 +27,7 @@ from pagedllm import envs
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend, TorchAttentionMetadata
 from pagedllm.layers.cpu_kernels import cpu_ops
+from pagedllm.layers.quantization.int4 import Int4KernelMethod
 from pagedllm.layers.quantization.int8 import Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
@@ -41,10 +42,10 @@ class DecodeStack:
     input_norm: list[torch.Tensor]
     post_norm: list[torch.Tensor]
     linears: list[torch.Tensor]  # 4 per layer: qkv, o, gate_up, down
-    scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8)
-    comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8)
+    scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8, int4)
+    comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8) or weight_zero (int4)
     qkv_bias: list[torch.Tensor | None]
-    method: int  # 0 packed fp32, 1 int8, 2 w8a8 (csrc/cpu_decode_stack.cpp's Method)
+    method: int  # 0 packed fp32, 1 int8, 2 w8a8, 3 int4 (csrc/cpu_decode_stack.cpp's Method)
     kv_cache: list[torch.Tensor]
     windows: list[int]
     final_norm: torch.Tensor
@@ -146,7 +147,7 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
         post_norm=[la.post_attention_layernorm.weight for la in layers],
         linears=[lin.weight for lin in linears],
         scales=[getattr(lin, "weight_scale", None) if method else None for lin in linears],
-        comps=[getattr(lin, "weight_comp", None) if method == _W8A8 else None for lin in linears],
+        comps=[_comp(lin, method) for lin in linears],
         qkv_bias=[la.self_attn.qkv_proj.bias for la in layers],
         method=method,
         kv_cache=[la.self_attn.attn.kv_cache for la in layers],
@@ -183,7 +184,12 @@ def _cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
-_PACKED, _INT8, _W8A8 = 0, 1, 2
+_PACKED, _INT8, _W8A8, _INT4 = 0, 1, 2, 3
+
+
+def _comp(linear: Any, method: int) -> torch.Tensor | None:
+    """The op's second per-linear tensor: w8a8's compensation, int4's zero points."""
+    return {_W8A8: getattr(linear, "weight_comp", None), _INT4: getattr(linear, "weight_zero", None)}.get(method)
 
 
 def _method(linear: Any) -> int | None:
@@ -195,6 +201,8 @@ def _method(linear: Any) -> int | None:
         return _W8A8 if method.quantized else None
     if isinstance(method, Int8LinearMethod):
         return _INT8 if method.quantized else None
+    if isinstance(method, Int4KernelMethod):  # packed (not fallen back), no act-order input permutation
+        return _INT4 if linear.weight.dtype == torch.uint8 and linear.weight_perm is None else None
     return None
 
 
