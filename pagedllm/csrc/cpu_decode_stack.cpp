@@ -8,6 +8,9 @@
 // weights streaming past have just emptied. One C++ call per step removes it.
 // With LoRA (lora_slots given), each linear adds its adapters' deltas right after its GEMM
 // (lora_add_, cpu_lora.cpp), as LinearBase.add_lora does in the modules.
+// Under tensor parallelism (shm_segment given) each rank holds its heads' and MLP columns' shards
+// and sums the row-parallel outputs (o_proj, down_proj) over the ranks right after them with the
+// shared-memory all-reduce (cpu_shm_allreduce.cpp), as RowParallelLinear does through TPGroup.
 // Op: decode_stack_ (layers/cpu_decode_stack.py decides when it applies).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -38,6 +41,7 @@ struct Layers {
   at::TensorList lora_a, lora_b;
   const std::optional<at::Tensor>& lora_slots;
   int64_t max_loras, max_rank;
+  const ShmGroup* tp;  // nullptr: one rank
 
   // Linear j (0 qkv, 1 o, 2 gate_up, 3 down) of layer i, as the layer's quant_method applies it,
   // plus the step's LoRA deltas.
@@ -89,8 +93,10 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const Layers& w, si
   paged_decode_attention(attn, q.view({tokens, heads, head_dim}), w.kv_cache[i][0], w.kv_cache[i][1], table,
                          seq_lens, scale, w.windows[i]);
   hidden = w.linear(i, 1, attn.view({tokens, q_size}), std::nullopt);
+  if (w.tp) w.tp->all_reduce(hidden);
   fused_add_rms_norm_(hidden, residual, w.post_norm[i], eps);
   hidden = w.linear(i, 3, silu_and_mul(w.linear(i, 2, hidden, std::nullopt)), std::nullopt);
+  if (w.tp) w.tp->all_reduce(hidden);
 }
 
 // hidden: the embedded tokens [T, H] (consumed: it becomes the residual stream); one query row
@@ -104,7 +110,9 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
                          at::Tensor cos_sin_cache, at::Tensor slot_mapping, at::Tensor block_table,
                          at::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
                          double eps, at::TensorList lora_a, at::TensorList lora_b,
-                         std::optional<at::Tensor> lora_slots, int64_t max_loras, int64_t max_rank) {
+                         std::optional<at::Tensor> lora_slots, int64_t max_loras, int64_t max_rank,
+                         std::optional<at::Tensor> shm_segment, std::optional<at::Tensor> shm_state, int64_t tp_rank,
+                         int64_t tp_size, int64_t shm_slot_bytes, double shm_timeout_s) {
   const size_t n = input_norm.size();
   TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
                   linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
@@ -113,12 +121,17 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
   TORCH_CHECK(!lora_slots.has_value() || (lora_a.size() == 4 * n && lora_b.size() == 7 * n),
               "decode_stack_: LoRA needs one A per linear and one B per projection (7 per layer)");
+  TORCH_CHECK(tp_size == 1 || (shm_segment.has_value() && shm_state.has_value()),
+              "decode_stack_: tensor parallelism needs the shared-memory all-reduce's segment and counter");
   const Method m = static_cast<Method>(method);
   for (size_t j = 0; j < linears.size(); ++j)
     TORCH_CHECK(m == Method::kPacked || (scales[j].has_value() && (m == Method::kInt8 || comps[j].has_value())),
                 "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation, int4 zero) of its method");
-  const Layers w{input_norm, post_norm, kv_cache, linears, scales, comps, qkv_bias, windows,
-                 m, w8a8_path, lora_a, lora_b, lora_slots, max_loras, max_rank};
+  std::optional<ShmGroup> tp;
+  if (tp_size > 1) tp = ShmGroup{*shm_segment, *shm_state, tp_rank, tp_size, shm_slot_bytes, shm_timeout_s};
+  const Layers w{input_norm, post_norm, kv_cache, linears,  scales,    comps,     qkv_bias,
+                 windows,    m,         w8a8_path, lora_a, lora_b, lora_slots, max_loras, max_rank,
+                 tp ? &*tp : nullptr};
   at::Tensor residual;
   for (size_t i = 0; i < n; ++i)
     decoder_layer(hidden, residual, w, i, positions, cos_sin_cache, slot_mapping, block_table, seq_lens, heads,
@@ -134,7 +147,8 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
         "Tensor[] linears, Tensor?[] scales, Tensor?[] comps, Tensor?[] qkv_bias, int method, int w8a8_path, "
         "Tensor(b!)[] kv_cache, int[] windows, Tensor final_norm, Tensor cos_sin_cache, Tensor slot_mapping, "
         "Tensor block_table, Tensor seq_lens, int heads, int kv_heads, int head_dim, float scale, float eps, "
-        "Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_slots, int max_loras, int max_rank) -> Tensor");
+        "Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_slots, int max_loras, int max_rank, Tensor(c!)? shm_segment, "
+        "Tensor(d!)? shm_state, int tp_rank, int tp_size, int shm_slot_bytes, float shm_timeout_s) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {

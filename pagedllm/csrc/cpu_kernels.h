@@ -5,6 +5,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <vector>
 
 void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cache, at::Tensor value_cache,
                             at::Tensor block_table, at::Tensor seq_lens, double scale, int64_t window);
@@ -28,3 +29,14 @@ void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::Tenso
 // cpu_gemm_w8a8.cpp: int8 weights x per-token int8 activations; path indexes w8a8_paths().
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w_scale,
                        const at::Tensor& w_comp, const std::optional<at::Tensor>& bias, int64_t path);
+// cpu_shm_allreduce.cpp: the tensor-parallel ranks' shared-memory collectives (distributed/shm_allreduce.py
+// owns the segment): segment uint8 (flags, then two sets of slots); state int64 [4]: ops done so
+// far, nanoseconds spent in them, bytes all-reduced, bytes all-gathered (this rank's).
+struct ShmGroup {
+  at::Tensor segment, state;
+  int64_t rank, world_size, slot_bytes;
+  double timeout_s;
+  // Publish x and wait for every peer's op: their slots (views of x's shape; read them now).
+  std::vector<at::Tensor> exchange(const at::Tensor& x) const;
+  void all_reduce(at::Tensor x) const;  // sums x over the ranks in place, in rank order
+};

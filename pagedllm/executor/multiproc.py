@@ -34,7 +34,7 @@ import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pagedllm import cpu_info, envs
 from pagedllm.config import EngineConfig
@@ -123,6 +123,11 @@ class MultiprocExecutor:
         result = self._call("execute_model", sched, timeout=envs.executor_timeout_s())[self.output_rank]
         assert isinstance(result, ModelRunnerOutput)
         return result
+
+    def collective_stats(self) -> dict[str, int] | None:
+        """Rank 0's shared-memory collective counters (``ShmAllReduce.stats``; None without them),
+        for benchmarks: not part of the executor interface."""
+        return cast(dict[str, int] | None, self._call("collective_stats")[0])
 
     def shutdown(self) -> None:
         """Stop every rank (idempotent)."""

@@ -7,7 +7,11 @@ result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
 with the kernels built; every linear of the layers in one method, packed fp32, ``int8``,
-``w8a8`` or the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit) (a bias only on qkv); no tensor parallelism; the attention layers' own Llama q/k path
+``w8a8`` or the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit) (a bias only
+on qkv); one rank, or tensor-parallel ranks joined by the shared-memory
+all-reduce (``distributed/shm_allreduce.py``: the op sums o_proj's and down_proj's outputs over the
+ranks with its C++ protocol, where the modules' RowParallelLinear calls the same op, and a step
+whose hidden states exceed a slot runs the modules); the attention layers' own Llama q/k path
 (Qwen3's per-head q/k norm is not); and an attention step whose every token is one query row on
 the paged decode kernel (decodes, speculative verification). Anything else runs the modules.
 ``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules. With LoRA slots on the linears (CPU
@@ -17,6 +21,7 @@ same kernel (``lora_add_``) the modules call.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -24,6 +29,7 @@ import torch
 from torch import nn
 
 from pagedllm import envs
+from pagedllm.distributed.shm_allreduce import ShmAllReduce
 from pagedllm.layers.activation import SiluAndMul
 from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend, TorchAttentionMetadata
 from pagedllm.layers.cpu_kernels import cpu_ops
@@ -32,6 +38,8 @@ from pagedllm.layers.quantization.int8 import Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 from pagedllm.lora.context import current_lora_step
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +68,13 @@ class DecodeStack:
     lora_b: list[torch.Tensor] = field(default_factory=list)
     max_loras: int = 0
     max_rank: int = 0
+    tp_rank: int = 0
+    tp_size: int = 1
+    shm: ShmAllReduce | None = None  # with tp_size > 1: the group's shared-memory all-reduce
+
+    def takes(self, hidden: torch.Tensor) -> bool:
+        """Whether the op can run this step: under TP, the step's hidden states fit a slot (its all-reduces)."""
+        return self.shm is None or self.shm.fits(hidden)
 
     def __call__(self, hidden: torch.Tensor, positions: torch.Tensor, metadata: TorchAttentionMetadata) -> torch.Tensor:
         """The stack's final hidden states for the embedded tokens ``hidden`` [T, H] (consumed);
@@ -93,7 +108,13 @@ class DecodeStack:
             None if lora is None else lora.token_slots,
             self.max_loras,
             self.max_rank,
+            *self._tp_args(),
         )
+
+    def _tp_args(self) -> tuple[Any, ...]:
+        if self.shm is None:
+            return None, None, 0, 1, 0, 0.0
+        return self.shm.segment, self.shm.state, self.tp_rank, self.tp_size, self.shm.slot_bytes, self.shm.timeout_s
 
 
 def applies(metadata: Any, hidden: torch.Tensor) -> bool:
@@ -124,8 +145,8 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
     if len(methods) != 1:
         return None
     method = cast(int, methods.pop())
-    lora = _lora_tensors(linears)
-    if lora is None:
+    lora, tp = _lora_tensors(linears), _tp(linears)
+    if lora is None or tp is None:
         return None
     attn = layers[0].self_attn
     norms = [n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)] + [model.norm]
@@ -141,6 +162,8 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
     (heads, kv_heads, head_dim), (scale,) = shapes.pop(), scales
     if rope.head_dim != head_dim:  # the op rotates and attends with one head size
         return None
+    where = f"tensor-parallel rank {tp['tp_rank']} of {tp['tp_size']}, shared-memory all-reduce" if tp else "one rank"
+    logger.info("CPU decode stack: %d layers as one C++ call per decode step (%s)", len(layers), where)
     return DecodeStack(
         op=ops.decode_stack_.default,
         input_norm=[la.input_layernorm.weight for la in layers],
@@ -160,7 +183,22 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
         scale=scale,
         eps=model.norm.eps,
         **lora,
+        **tp,
     )
+
+
+def _tp(linears: list[Any]) -> dict[str, Any] | None:
+    """The linears' tensor-parallel group as the op takes it ({} at one rank), or None when the op
+    cannot join it: the ranks sum through gloo (no shared memory between them: other hosts, not
+    x86, the kernels off) or the linears do not share one group."""
+    tp = linears[0].tp
+    if any(lin.tp != tp for lin in linears):
+        return None
+    if tp.size == 1:
+        return {}
+    if tp.shm is None or tp.shm.ops is None:
+        return None
+    return {"tp_rank": tp.rank, "tp_size": tp.size, "shm": tp.shm}
 
 
 def _lora_tensors(linears: list[Any]) -> dict[str, Any] | None:
@@ -213,7 +251,6 @@ def _linears(layer: Any) -> tuple[Any, Any, Any, Any]:
 def _supported(linear: Any, bias_allowed: bool) -> bool:
     return bool(
         _method(linear) is not None
-        and linear.tp.size == 1
         and (bias_allowed or linear.bias is None)
         and (linear.bias is None or _cpu_fp32(cast(torch.Tensor, linear.bias)))
     )

@@ -3,7 +3,7 @@ to the torch path.
 
 One shared library holds every kernel: paged decode attention, the fused small ops (RoPE,
 SiLU-and-mul, RMSNorm, the K/V write), the packed fp32 GEMM and its int8 and int4 variants, the LoRA
-deltas of mixed-adapter batches. Every kernel
+deltas of mixed-adapter batches, the tensor-parallel ranks' shared-memory all-reduce. Every kernel
 is written once over the vector abstraction in ``csrc/cpu_vec.h``; the library is compiled per
 ISA level (``cpu_info.ISA_LEVELS``: avx512, avx2, neon, portable) and registers its ops as
 ``torch.ops.pagedllm_<level>.*``, so several levels can be loaded in one process (the tests run
@@ -47,6 +47,7 @@ SOURCES = tuple(
         "cpu_gemm_w8a8.cpp",
         "cpu_decode_stack.cpp",
         "cpu_lora.cpp",
+        "cpu_shm_allreduce.cpp",
     )
 )
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with

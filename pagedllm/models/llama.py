@@ -163,6 +163,7 @@ class LlamaModel(nn.Module):
             self.whole
             and decode_stack.applies(attn_metadata, hidden_states)
             and (stack := self.decode_stack()) is not None
+            and stack.takes(hidden_states)
         ):
             return stack(hidden_states, positions, attn_metadata)
         for layer in self.layers[self.start_layer : self.end_layer]:

@@ -19,6 +19,7 @@ import torch
 
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.distributed.parallel_state import get_tp_group
 from pagedllm.distributed.pipeline import get_pp_group
 from pagedllm.layers import cpu_kernels
 from pagedllm.metrics.startup import StartupPhases
@@ -123,6 +124,11 @@ class Worker:
             if build is None:
                 cpu_kernels.build_cpu_library(level)
         return build
+
+    def collective_stats(self) -> dict[str, int] | None:
+        """This rank's shared-memory collective counters (``ShmAllReduce.stats``), None without them."""
+        shm = get_tp_group().shm
+        return None if shm is None else shm.stats()
 
     def determine_num_blocks(self) -> int:
         """How many KV blocks fit in the memory budget (the null block included)."""

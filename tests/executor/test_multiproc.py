@@ -13,8 +13,10 @@ import psutil
 import pytest
 from entrypoints.openai.conftest import RemoteServer
 
-from pagedllm import LLM, SamplingParams
+from pagedllm import LLM, SamplingParams, cpu_info
+from pagedllm.distributed import shm_allreduce
 from pagedllm.executor.multiproc import MultiprocExecutor, WorkerDiedError
+from pagedllm.layers.cpu_kernels import cpu_ops
 
 # A shared prefix (prefix caching), a prompt longer than the step budget (chunked prefill), and
 # several requests in flight at once.
@@ -130,6 +132,41 @@ def test_tp2_over_gloo_matches_tp1(llama_model_dir, monkeypatch):
         assert _run(llm, rounds=1) == reference
     finally:
         llm.llm_engine.shutdown()
+
+
+def _greedy_with_logprobs(llm: LLM) -> list[tuple[list[int], list[dict[int, float]]]]:
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm.llm_engine.check_integrity()
+    return [
+        (list(o.outputs[0].token_ids), [{t: lp.logprob for t, lp in p.items()} for p in o.outputs[0].logprobs or []])
+        for o in outputs
+    ]
+
+
+@pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels did not build here")
+def test_tp2_decode_stack_matches_tp1_and_the_modules(llama_model_dir, monkeypatch, capfd):
+    """At TP=2 each rank runs its decode steps as the one C++ call, all-reducing between the layers
+    in C++ (x86: shared memory): the tokens are one rank's, and tokens and logprobs are bitwise
+    those of the ranks running the modules (``PAGEDLLM_CPU_DECODE_STACK=0``)."""
+    model_dir = str(llama_model_dir)
+    reference = [tokens for tokens, _ in _greedy_with_logprobs(LLM(model_dir, **ENGINE))]
+    runs = {}
+    for stack in ("1", "0"):
+        monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", stack)  # the spawned workers inherit it
+        llm = LLM(model_dir, tensor_parallel_size=2, **ENGINE)
+        try:
+            runs[stack] = _greedy_with_logprobs(llm)
+        finally:
+            llm.llm_engine.shutdown()
+        if stack == "1":
+            log = capfd.readouterr().err
+            # The shared-memory all-reduce joins ranks that each have a core (executor/multiproc.py).
+            expected_path = shm_allreduce.supported() and cpu_info.usable_cpus() >= 2
+            for rank in range(2):
+                line = f"as one C++ call per decode step (tensor-parallel rank {rank} of 2, shared-memory"
+                assert (line in log) == expected_path, log[-3000:]
+    assert [tokens for tokens, _ in runs["1"]] == reference
+    assert runs["1"] == runs["0"]  # logprobs compared exactly
 
 
 def _shm_segments() -> set[str]:
