@@ -19,6 +19,7 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py read
 CHECKPOINT_QUANT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes")
 # layers/quantization/ (QUANTIZATION_CONFIGS, then the checkpoint formats)
 QUANTIZATION_METHODS = ("int8", "w8a8", "int4", *CHECKPOINT_QUANT_METHODS)
+CPU_ONLY_QUANTIZATION = ("w8a8",)  # no CUDA kernel; the others run Triton kernels on CUDA
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers/attention/selector.py

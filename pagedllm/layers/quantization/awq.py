@@ -111,9 +111,10 @@ class AWQLinearMethod(Int4KernelMethod):
         q = unpack_columns(typed.qweight.data, AWQ_ORDER).t()
         zero = unpack_columns(typed.qzeros.data, AWQ_ORDER).t().float()
         scale = typed.scales.data.float().t()
+        dtype = typed.scales.dtype
         for name in ("qweight", "qzeros", "scales"):
             delattr(layer, name)
-        self.finish_int4(layer, q, scale.contiguous(), zero.contiguous(), None)
+        self.finish_int4(layer, q, scale.contiguous(), zero.contiguous(), None, dtype)
         self.loaded = True
 
 
