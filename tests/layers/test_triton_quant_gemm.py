@@ -151,6 +151,7 @@ def test_int4_layout_is_gptqs_qweight_and_round_trips():
 
 # ------------------------------------------------------------------------------------------- methods
 def _build(make):
+    torch.manual_seed(0)
     with torch.device(DEVICE):
         return make()
 
@@ -174,6 +175,7 @@ def test_checkpoint_layers_repack_into_the_cuda_layout(triton_path, method, kw, 
         stored.append(tensors["qweight"])
         for name, tensor in tensors.items():
             getattr(layer, name).weight_loader(getattr(layer, name), tensor, shard)
+    layer.bias.data.copy_(torch.randn(128))
     layer.quant_method.process_weights_after_loading(layer)
     assert layer.weight.dtype == torch.int32 and layer.weight.shape == (8, 128)
     assert torch.equal(layer.weight.cpu(), as_tensor(pack_gptq_rows(np.concatenate(qs).T)))
