@@ -1,8 +1,9 @@
 """Pre-quantized checkpoints on the int8 per-output-channel layers (``int8.py`` / ``w8a8.py``).
 
 A pre-quantized checkpoint (FP8, compressed-tensors, bitsandbytes) stores each linear weight in
-its own code (fp8 blocks, int8 groups, 4-bit nibbles) with its own scales. On CPU the kernels we
-have take int8 weights with one float32 scale per output row, so each format is a
+its own code (fp8 blocks, int8 groups, 4-bit nibbles) with its own scales. The kernels we have
+(C++ on CPU, Triton on CUDA; W8A8 on CPU only, weight-only int8 standing in for it on CUDA) take
+int8 weights with one float32 scale per output row, so each format is a
 :class:`CheckpointScheme` that reads one layer's tensors and hands back that form: exactly when the
 checkpoint already is int8 per channel (compressed-tensors W8A8/W8A16 channel-wise, bitsandbytes
 8-bit), otherwise by dequantizing that one layer to float32 and quantizing it per channel again
