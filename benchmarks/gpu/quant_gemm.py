@@ -24,6 +24,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from h200_tools import _event_times  # noqa: E402  (this script's folder is on sys.path)
+
 from pagedllm.layers.quantization import int4, triton_layout  # noqa: E402
 from pagedllm.layers.quantization.int8 import quantize_per_channel  # noqa: E402
 from pagedllm.layers.quantization.triton_dequant_gemm import TILES, Tile, int4_gemm, int8_gemm  # noqa: E402
@@ -35,19 +37,8 @@ GROUP = 128
 EXTRA_TILES = (Tile(16, 16, 256, 4, 4), Tile(16, 64, 128, 4, 4), Tile(16, 32, 64, 2, 5))
 
 
-def event_median_ms(fn, reps: int = 20, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def event_median_ms(fn, reps: int = 20) -> float:
+    return statistics.median(_event_times(fn, reps)) * 1e3
 
 
 def int4_case(n: int, k: int) -> tuple[dict, torch.Tensor]:

@@ -5,15 +5,13 @@ the Triton path). Interpreter shapes are small; the CUDA-only cases run Llama-si
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from pagedllm.layers.quantization import int4, triton_layout
 from tests.layers.int4_reference import as_tensor, pack_gptq_rows, random_int4
+from tests.triton_kernels import import_kernels
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -22,24 +20,13 @@ TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
 def _import_kernels():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("the triton package is not installed", allow_module_level=True)
-    old = os.environ.get("TRITON_INTERPRET")
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from pagedllm.layers.quantization import triton_dequant_gemm
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    if not CUDA and not triton_dequant_gemm.interpreting():
+    kernels = import_kernels("pagedllm.layers.quantization.triton_dequant_gemm", CUDA)
+    if not CUDA and not kernels.interpreting():
         pytest.skip(
             "triton was imported earlier in this process without TRITON_INTERPRET=1; run this file on its own",
             allow_module_level=True,
         )
-    return triton_dequant_gemm
+    return kernels
 
 
 gemm = _import_kernels()

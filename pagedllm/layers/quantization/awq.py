@@ -37,7 +37,7 @@ def add_packed_param(
 
 def unpack_columns(words: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """int32 [R, C] packed along columns -> uint8 [R, 8 C], nibble i of a word being column order[i]."""
-    nibbles = (words.to(torch.int32)[..., None] >> _SHIFTS) & 15  # [R, C, 8], by nibble
+    nibbles = (words.to(torch.int32)[..., None] >> _SHIFTS.to(words.device)) & 15  # [R, C, 8], by nibble
     by_column = nibbles[..., [order.index(c) for c in range(PACK)]]
     return by_column.reshape(words.shape[0], -1).to(torch.uint8)
 

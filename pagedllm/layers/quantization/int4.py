@@ -145,7 +145,7 @@ class Int4KernelMethod(LinearMethodBase):
             return
         kernel = load_int4_gemm() if q.device.type == "cpu" else None
         if q.shape[0] % PANEL or kernel is None:
-            self._fall_back(layer, q, scale, zero, perm, dtype)
+            self._fall_back(layer, dequantize(q, scale, zero).to(dtype), perm)
             return
         self._store(layer, pack_int4(q), pack_groups(scale), pack_groups(zero), perm)
         self._kernel = kernel
@@ -163,16 +163,8 @@ class Int4KernelMethod(LinearMethodBase):
         layer.register_buffer("weight_zero", zero, persistent=False)
         layer.register_buffer("weight_perm", perm, persistent=False)
 
-    def _fall_back(
-        self,
-        layer: nn.Module,
-        q: torch.Tensor,
-        scale: torch.Tensor,
-        zero: torch.Tensor,
-        perm: torch.Tensor | None,
-        dtype: torch.dtype,
-    ) -> None:
-        w = dequantize(q, scale, zero).to(dtype)
+    def _fall_back(self, layer: nn.Module, w: torch.Tensor, perm: torch.Tensor | None) -> None:
+        """Keep the dequantized weight ``w`` (inputs in ``perm`` order) as a float layer."""
         if perm is not None:
             w = torch.empty_like(w).index_copy_(1, perm, w)  # back to the checkpoint's input order
         logger.warning(
@@ -180,7 +172,7 @@ class Int4KernelMethod(LinearMethodBase):
             "or CUDA with triton); it runs as %s",
             self.format_name,
             tuple(w.shape),
-            dtype,
+            w.dtype,
         )
         typed = cast(_Int4Layer, layer)
         typed.weight = nn.Parameter(w, requires_grad=False)
