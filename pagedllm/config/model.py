@@ -36,7 +36,8 @@ class ModelConfig:
     trust_remote_code: bool
     served_model_name: str
     # None | int8 (weight-only) | w8a8 (int8 weights and activations) | int4 (group-wise weight-only)
-    # | a quantized checkpoint's quant_method (CHECKPOINT_QUANT_METHODS, read from config.json); CPU float32
+    # | a quantized checkpoint's quant_method (CHECKPOINT_QUANT_METHODS, read from config.json); CPU: float32 only;
+    # CUDA (Triton kernels): any float dtype, not w8a8
     quantization: str | None = None
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     runner: str = "generate"  # generate | pooling (config/pooler.py)

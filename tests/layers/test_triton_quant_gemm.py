@@ -5,6 +5,9 @@ the Triton path). Interpreter shapes are small; the CUDA-only cases run Llama-si
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -85,13 +88,13 @@ INT4_CASES = [  # (M, N, K, G): groups 32/64/128, K past the tile's step, a grou
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("zeros", [True, False], ids=["zero-points", "symmetric"])
 @pytest.mark.parametrize("m,n,k,group", INT4_CASES)
-def test_int4_gemm_matches_dequantize_then_matmul(m, n, k, group, zeros):
+def test_int4_gemm_matches_dequantize_then_matmul(m, n, k, group, zeros, dtype):
     q, scale, zero = _int4_weights(n, k, group, seed=m)
     if not zeros:
         zero = torch.full_like(zero, 8.0)
-    dtype = torch.float32 if m % 2 else torch.bfloat16
     x, bias = torch.randn(m, k, generator=torch.Generator().manual_seed(k)), torch.randn(n) if zeros else None
     s_k, z_k = triton_layout.int4_group_params(scale, zero)
     assert (z_k is None) == (not zeros)
@@ -260,3 +263,23 @@ def test_engine_on_the_triton_kernels_tracks_the_cpu_kernels(llama_model_dir, me
                 assert cpu.logprobs[step][a].logprob - cpu.logprobs[step][b].logprob < 0.01
                 break
             assert abs(cpu.logprobs[step][a].logprob - gpu.logprobs[step][b].logprob) < 1e-3
+
+
+def test_the_kernels_compile_for_a_gpu_target():
+    """The interpreter does not run Triton's compiler: build the kernels for sm_90 (no GPU needed)."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    nvidia = importlib.util.find_spec("triton.backends.nvidia")
+    bundled = nvidia is not None and (Path(str(nvidia.origin)).parent / "bin" / "ptxas").exists()
+    if nvidia is None or not (bundled or shutil.which("ptxas")):
+        pytest.skip("triton's CUDA backend (ptxas) is not installed")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[2]
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")])
+    run = subprocess.run(
+        [sys.executable, "-m", "tests.layers.compile_quant_gemm"], env=env, cwd=root, capture_output=True, text=True
+    )
+    assert run.returncode == 0 and run.stdout.count("ok ") == 5, run.stdout + run.stderr[-3000:]
