@@ -73,6 +73,14 @@ def _dot(x, w, DOT: tl.constexpr):
 
 
 @triton.jit
+def _output_block(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's output rows and columns, and its fp32 accumulator."""
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rm, rn, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
 def _load_x(x_ptr, stride_xm, rm, k, M, K):
     return tl.load(x_ptr + rm[:, None] * stride_xm + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
 
@@ -104,10 +112,8 @@ def _int8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, acc = _output_block(BLOCK_M, BLOCK_N)
     n_ok = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         x = _load_x(x_ptr, stride_xm, rm, k, M, K)
@@ -149,10 +155,8 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rm, rn, acc = _output_block(BLOCK_M, BLOCK_N)
     n_ok = rn < N
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         ok = (k[:, None] < K) & n_ok[None, :]
