@@ -133,11 +133,11 @@ class Int4KernelMethod(LinearMethodBase):
         scale: torch.Tensor,
         zero: torch.Tensor,
         perm: torch.Tensor | None,
-        dtype: torch.dtype,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         """Store q [N, K], scale and zero [N, K / G] (inputs in ``perm`` order) in the layout of
-        their device's kernel, or the dequantized weight in ``dtype`` (the model's) where no kernel
-        takes them."""
+        their device's kernel, or the dequantized weight in ``dtype`` (the model's; float32 on
+        CPU) where no kernel takes them."""
         self.group_size = q.shape[1] // scale.shape[1]
         if triton_layout.triton_device(q.device):
             self._store(layer, triton_layout.pack_int4(q), *triton_layout.int4_group_params(scale, zero), perm)
