@@ -13,12 +13,16 @@
 #   throughput 1000 random requests (prompt 128-1024, output 128-512), one LLM.generate
 #   hf         HF generate bf16 on the first K of the same requests (padded batches, batch 1)
 #   eager      decode batch 1/32/128 again with enforce_eager (graphs vs eager)
+#   pytest_quant  tests/layers/test_triton_quant_gemm.py (int8 / int4 dequant-GEMMs, Llama-sized on CUDA)
+#   quant_gemm    benchmarks/gpu/quant_gemm.py: those kernels vs torch dequantize+matmul (and bf16),
+#                 Llama-3-8B linear shapes, M 1..2048 (+ the tile sweep); $OUT/quant_gemm.json
 #   summary    compact table (also $OUT/summary.md)
 # H200_STEPS="latency throughput" runs only those steps (a rerun on the still-warm machine);
+# H200_STEPS="limits pytest_quant quant_gemm" is the quantized-GEMM check alone (~3-5 min);
 # H200_BUDGET_S changes the whole-script budget.
-# Outputs under $OUT (4 files, the device tool returns at most 8): run.log (everything),
+# Outputs under $OUT (5 files, the device tool returns at most 8): run.log (everything),
 # pytest.log, results.jsonl (one line per step: rc, wall time, the bench's JSON report, key log
-# lines), summary.md (a section ready for docs/benchmarks.md).
+# lines), summary.md (a section ready for docs/benchmarks.md), quant_gemm.json.
 set -euo pipefail
 
 OUT="${OUT:-$PWD/h200-out}"
@@ -150,6 +154,14 @@ EOF
   step latency_eager 90 40 "$W/latency_eager.json" -- "$PY" "${TOOLS[@]}" bench --eager -- latency \
     "${MODEL[@]}" --batch-sizes 1 32 128 "${LAT[@]}" --prefill-len 128 --prefill-iters 1 "${CPU_PROBE[@]}" \
     --output-json "$W/latency_eager.json"
+
+  # ---------------------------------------------------------------- quantized GEMMs (~2-4 min)
+  # Last in a full run (the steps above are issue 7's); alone: H200_STEPS="limits pytest_quant quant_gemm".
+  step pytest_quant 150 45 - -- "$PY" -m pytest tests/layers/test_triton_quant_gemm.py "${PT[@]}"
+  cat "$W/pytest_quant.log" >>"$OUT/pytest.log" 2>/dev/null || true
+  step quant_gemm 200 60 "$W/quant_gemm.json" -- "$PY" benchmarks/gpu/quant_gemm.py --json "$W/quant_gemm.json" \
+    ${H200_QUANT_SWEEP:+--sweep}
+  cp "$W/quant_gemm.json" "$OUT/" 2>/dev/null || true
 
   # ---------------------------------------------------------------- summary
   echo "=== summary ($(( SECONDS - T0 ))s elapsed)"

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 from pagedllm import envs
 from pagedllm.config.choices import ATTENTION_BACKENDS, DEVICES
 from pagedllm.config.options import check_choice, option
+
+
+def triton_available() -> bool:
+    """Whether triton is installed (without importing it: under the interpreter, import order matters)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @dataclass

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from pagedllm.config.choices import (
     CHECKPOINT_QUANT_METHODS,
+    CPU_ONLY_QUANTIZATION,
     DTYPE_BYTES,
     DTYPE_CHOICES,
     DTYPES,
@@ -14,6 +15,7 @@ from pagedllm.config.choices import (
     QUANTIZATION_METHODS,
     canonical_dtype,
 )
+from pagedllm.config.device import triton_available
 from pagedllm.config.options import check_choice, check_positive, option
 from pagedllm.config.pooler import PoolerConfig
 from pagedllm.gguf_config import is_gguf_file
@@ -34,7 +36,8 @@ class ModelConfig:
     trust_remote_code: bool
     served_model_name: str
     # None | int8 (weight-only) | w8a8 (int8 weights and activations) | int4 (group-wise weight-only)
-    # | a quantized checkpoint's quant_method (CHECKPOINT_QUANT_METHODS, read from config.json); CPU float32
+    # | a quantized checkpoint's quant_method (CHECKPOINT_QUANT_METHODS, read from config.json); CPU: float32 only;
+    # CUDA (Triton kernels): any float dtype, not w8a8
     quantization: str | None = None
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for; -1: no cap
     runner: str = "generate"  # generate | pooling (config/pooler.py)
@@ -95,10 +98,11 @@ class ModelArgs:
     )
     quantization: str | None = option(
         None,
-        "int8: weight-only int8 linear layers with per-channel scales (CPU, float32): a quarter of the "
+        "int8: weight-only int8 linear layers with per-channel scales: a quarter of the float32 "
         "weight bytes, faster small-batch decode; int4: weight-only group-wise int4 (groups of 128 inputs, "
-        "a scale and zero point each): an eighth of the bytes; w8a8: int8 weights and per-token int8 "
-        "activations (int8 dot products), faster large-batch decode and prefill; the LM head stays float32. "
+        "a scale and zero point each): an eighth of the bytes; w8a8 (CPU only): int8 weights and per-token "
+        "int8 activations (int8 dot products), faster large-batch decode and prefill; the LM head stays "
+        "float. CPU: float32 activations, C++ kernels; CUDA: Triton kernels, any float dtype. "
         "Quantized checkpoints are detected from config.json's quantization_config (naming their method "
         "here is optional): awq / gptq run on the int4 kernel; fp8, compressed-tensors and bitsandbytes "
         "load onto the int8 layers. A GGUF file loads as gguf by default on CPU (its Q4_0 / Q4_1 / Q4_K "
@@ -220,22 +224,32 @@ def resolve_quantization(requested: str | None, arch: ModelArchConfig) -> str | 
 
 
 def check_quantization(quantization: str | None, device: str, dtype: str) -> None:
-    """The quantized methods (and the checkpoint formats, which load onto them) are CPU kernels
-    that take and return float32 activations."""
+    """The quantized methods (and the checkpoint formats, which load onto them) run C++ kernels
+    on float32 activations on CPU, Triton kernels on any float dtype on CUDA (not w8a8)."""
     if quantization is None:
         return
     known = QUANTIZATION_METHODS
     if quantization not in known:
         raise ValueError(f"quantization must be None (off) or one of {', '.join(known)}; got {quantization!r}")
     if device != "cpu":
-        raise ValueError(
-            f"quantization={quantization!r} runs on CPU only, the device is {device}; "
-            "pass device='cpu' (--device cpu) or drop the quantization"
-        )
+        _check_gpu_quantization(quantization, device)
+        return
     if dtype != "float32":
         raise ValueError(
             f"quantization={quantization!r} needs dtype float32 (its layers take float32 activations), got "
             f"{dtype}; pass dtype='float32' (or 'auto') or drop the quantization"
+        )
+
+
+def _check_gpu_quantization(quantization: str, device: str) -> None:
+    if quantization in CPU_ONLY_QUANTIZATION:
+        raise ValueError(
+            f"quantization={quantization!r} runs on CPU only, the device is {device}; pass device='cpu' "
+            "(--device cpu), or use int8 (weight-only) on the GPU"
+        )
+    if not triton_available():
+        raise ValueError(
+            f"quantization={quantization!r} on {device} runs Triton kernels: install triton, or drop the quantization"
         )
 
 

@@ -118,7 +118,7 @@ def test_unknown_method_is_an_error():
     [
         ({"quantization": "int3"}, "quantization must be None"),
         ({"quantization": "int8", "dtype": "bfloat16"}, "needs dtype float32"),
-        ({"quantization": "int8", "device": "cuda"}, "runs on CPU only"),
+        ({"quantization": "w8a8", "device": "cuda"}, "runs on CPU only"),
     ],
 )
 def test_bad_options_are_value_errors(llama_model_dir, kwargs, match):

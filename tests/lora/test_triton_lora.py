@@ -3,31 +3,17 @@ interpreter otherwise (TRITON_INTERPRET=1 set before triton is imported)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 from tests.layers.test_cpu_lora import _reference, _slots
+from tests.triton_kernels import import_kernels
 
 CUDA = torch.cuda.is_available()
 
 
 def _kernel():
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("the triton package is not installed")
-    old = os.environ.get("TRITON_INTERPRET")
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        from pagedllm.lora import triton_lora
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
-    return triton_lora.lora_add_
+    return import_kernels("pagedllm.lora.triton_lora", CUDA).lora_add_
 
 
 @pytest.mark.parametrize("outs", [[40, 24, 24], [72]])

@@ -6,18 +6,12 @@ elsewhere. ``triton`` on a non-CUDA device runs only under Triton's interpreter 
 
 from __future__ import annotations
 
-import importlib.util
-
 from pagedllm import envs
 from pagedllm.config.choices import ATTENTION_BACKENDS
+from pagedllm.config.device import triton_available
 from pagedllm.layers.attention.backends.base import AttentionBackend
 
 BACKEND_CHOICES = ATTENTION_BACKENDS  # the config's table: the CLI offers these
-
-
-def triton_available() -> bool:
-    """Whether triton is installed (without importing it: under the interpreter, import order matters)."""
-    return importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend_name(device_type: str, name: str | None = None) -> str:

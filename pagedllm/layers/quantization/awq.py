@@ -37,7 +37,7 @@ def add_packed_param(
 
 def unpack_columns(words: torch.Tensor, order: tuple[int, ...]) -> torch.Tensor:
     """int32 [R, C] packed along columns -> uint8 [R, 8 C], nibble i of a word being column order[i]."""
-    nibbles = (words.to(torch.int32)[..., None] >> _SHIFTS) & 15  # [R, C, 8], by nibble
+    nibbles = (words.to(torch.int32)[..., None] >> _SHIFTS.to(words.device)) & 15  # [R, C, 8], by nibble
     by_column = nibbles[..., [order.index(c) for c in range(PACK)]]
     return by_column.reshape(words.shape[0], -1).to(torch.uint8)
 
@@ -111,9 +111,10 @@ class AWQLinearMethod(Int4KernelMethod):
         q = unpack_columns(typed.qweight.data, AWQ_ORDER).t()
         zero = unpack_columns(typed.qzeros.data, AWQ_ORDER).t().float()
         scale = typed.scales.data.float().t()
+        dtype = typed.scales.dtype
         for name in ("qweight", "qzeros", "scales"):
             delattr(layer, name)
-        self.finish_int4(layer, q, scale.contiguous(), zero.contiguous(), None)
+        self.finish_int4(layer, q, scale.contiguous(), zero.contiguous(), None, dtype)
         self.loaded = True
 
 

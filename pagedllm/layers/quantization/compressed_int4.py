@@ -67,11 +67,11 @@ class CompressedInt4Method(Int4KernelMethod):
             return
         typed = cast(_PackedLayer, layer)
         q = unpack_columns(typed.weight_packed.data, _IN_ORDER)
-        scale = typed.weight_scale.data.float().contiguous()
+        scale, dtype = typed.weight_scale.data.float().contiguous(), typed.weight_scale.dtype
         zero = torch.full_like(scale, float(_OFFSET))
         for name in ("weight_packed", "weight_scale"):
             delattr(layer, name)
-        self.finish_int4(layer, q, scale, zero, None)
+        self.finish_int4(layer, q, scale, zero, None, dtype)
         self.loaded = True
 
 

@@ -119,13 +119,13 @@ class GPTQLinearMethod(Int4KernelMethod):
         zero = unpack_columns(typed.qzeros.data, GPTQ_ORDER)
         if self.config.checkpoint_format == "gptq":
             zero = (zero + 1) & 15  # v1 stored z - 1 (z = 0 wrapped to 15)
-        scale = typed.scales.data.float().t().contiguous()
+        scale, dtype = typed.scales.data.float().t().contiguous(), typed.scales.dtype
         perm = act_order_permutation(typed.g_idx.data, self.checkpoint_group) if self.config.desc_act else None
         for name in ("qweight", "qzeros", "scales", "g_idx"):
             delattr(layer, name)
         if perm is not None:
             q = q.index_select(1, perm)
-        self.finish_int4(layer, q.contiguous(), scale, zero.t().float().contiguous(), perm)
+        self.finish_int4(layer, q.contiguous(), scale, zero.t().float().contiguous(), perm, dtype)
         self.loaded = True
 
 

@@ -9,8 +9,11 @@ Activations stay float32; the kernel (``csrc/cpu_gemm_int4.cpp``) widens the nib
 A float checkpoint is quantized per layer after loading (``quantize_groupwise``: min/max of
 each group, zero included in the range so that 0 is exact and a constant group needs no special
 case). Checkpoint formats hand ``finish_int4`` their integer weights, zeros and scales instead.
-A layer the kernel cannot take (out_features % 16, no kernel build) keeps a float32 weight,
-the dequantized one for a checkpoint, with a warning. The LM head stays float32 (as for int8).
+A layer the kernel cannot take (out_features % 16, no kernel build) keeps a float weight, the
+dequantized one for a checkpoint, with a warning. The LM head stays float (as for int8).
+
+On a CUDA device the same integer weights are held in the CUDA layout instead and run the Triton
+kernel (``triton_layout.py``): any out_features, float16 / bfloat16 / float32 activations.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torch import nn
 
 from pagedllm.layers.cpu_gemm_kernels import PANEL
 from pagedllm.layers.cpu_kernels import cpu_ops
+from pagedllm.layers.quantization import triton_layout
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -103,7 +107,7 @@ def pack_groups(t: torch.Tensor) -> torch.Tensor:
 class _Int4Layer(Protocol):
     weight: torch.Tensor
     weight_scale: torch.Tensor
-    weight_zero: torch.Tensor
+    weight_zero: torch.Tensor | None
     weight_perm: torch.Tensor | None
     quant_method: LinearMethodBase
 
@@ -123,33 +127,52 @@ class Int4KernelMethod(LinearMethodBase):
         self._kernel: LinearInt4 = _not_loaded_yet
 
     def finish_int4(
-        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, perm: torch.Tensor | None
+        self,
+        layer: nn.Module,
+        q: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor,
+        perm: torch.Tensor | None,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
-        """Store q [N, K], scale and zero [N, K / G] (inputs in ``perm`` order) for the kernel, or
-        the dequantized float32 weight where the kernel cannot take them."""
-        kernel = load_int4_gemm()
-        if q.shape[0] % PANEL or kernel is None:
-            self._fall_back(layer, q, scale, zero, perm)
-            return
-        typed = cast(_Int4Layer, layer)
+        """Store q [N, K], scale and zero [N, K / G] (inputs in ``perm`` order) in the layout of
+        their device's kernel, or the dequantized weight in ``dtype`` (the model's; float32 on
+        CPU) where no kernel takes them."""
         self.group_size = q.shape[1] // scale.shape[1]
-        typed.weight = nn.Parameter(pack_int4(q), requires_grad=False)
-        layer.register_buffer("weight_scale", pack_groups(scale), persistent=False)
-        layer.register_buffer("weight_zero", pack_groups(zero), persistent=False)
-        layer.register_buffer("weight_perm", perm, persistent=False)
+        if triton_layout.triton_device(q.device):
+            self._store(layer, triton_layout.pack_int4(q), *triton_layout.int4_group_params(scale, zero), perm)
+            self._kernel = triton_layout.int4_gemm()
+            return
+        kernel = load_int4_gemm() if q.device.type == "cpu" else None
+        if q.shape[0] % PANEL or kernel is None:
+            self._fall_back(layer, dequantize(q, scale, zero).to(dtype), perm)
+            return
+        self._store(layer, pack_int4(q), pack_groups(scale), pack_groups(zero), perm)
         self._kernel = kernel
 
-    def _fall_back(
-        self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, perm: torch.Tensor | None
+    def _store(
+        self,
+        layer: nn.Module,
+        weight: torch.Tensor,
+        scale: torch.Tensor,
+        zero: torch.Tensor | None,
+        perm: torch.Tensor | None,
     ) -> None:
-        w = dequantize(q, scale, zero)
+        cast(_Int4Layer, layer).weight = nn.Parameter(weight, requires_grad=False)
+        layer.register_buffer("weight_scale", scale, persistent=False)
+        layer.register_buffer("weight_zero", zero, persistent=False)
+        layer.register_buffer("weight_perm", perm, persistent=False)
+
+    def _fall_back(self, layer: nn.Module, w: torch.Tensor, perm: torch.Tensor | None) -> None:
+        """Keep the dequantized weight ``w`` (inputs in ``perm`` order) as a float layer."""
         if perm is not None:
             w = torch.empty_like(w).index_copy_(1, perm, w)  # back to the checkpoint's input order
         logger.warning(
-            "%s kernel not used for a weight of shape %s (needs the CPU kernels and out_features %% 16 == 0); "
-            "it runs as float32",
+            "%s kernel not used for a weight of shape %s (needs the CPU kernels and out_features %% 16 == 0, "
+            "or CUDA with triton); it runs as %s",
             self.format_name,
             tuple(w.shape),
+            w.dtype,
         )
         typed = cast(_Int4Layer, layer)
         typed.weight = nn.Parameter(w, requires_grad=False)
@@ -187,9 +210,11 @@ class Int4LinearMethod(Int4KernelMethod):
         if self.quantized:
             return
         w = cast(_Int4Layer, layer).weight.data
-        if w.device.type != "cpu" or w.dtype != torch.float32:
-            raise ValueError(f"int4 quantizes float32 CPU weights, got {w.dtype} on {w.device.type}")
-        self.finish_int4(layer, *quantize_groupwise(w, self.group_size), None)
+        if not (triton_layout.triton_device(w.device) or (w.device.type == "cpu" and w.dtype == torch.float32)):
+            raise ValueError(
+                f"int4 quantizes float32 CPU weights or CUDA weights (with triton), got {w.dtype} on {w.device.type}"
+            )
+        self.finish_int4(layer, *quantize_groupwise(w, self.group_size), None, w.dtype)
         self.quantized = True
 
 

@@ -12,6 +12,9 @@ step at batch 1 takes 10.9 ms instead of 20.4 (1.9x), at 16 rows 1.1x, at 64 row
 weights costs vector work, so once the GEMM is compute-bound (large batches, prefill) int8 buys
 memory, not speed. Weights: 334 MB instead of 652 (the linears 106 MB instead of 425).
 
+On a CUDA device the method holds Q^T [K, N] instead and runs the Triton kernel
+(``triton_layout.py``): any out_features, float16 / bfloat16 / float32 activations.
+
 Only the transformer's linears are quantized: the LM head (113 MB here) stays float32. Quantizing
 it too (measured by patching it) made batch-1 steps another ~10% faster but moved logprobs more
 on the tiny test model (one more greedy divergence in 6 prompts x 16 tokens), so it is not done.
@@ -30,6 +33,7 @@ from torch import nn
 
 from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
+from pagedllm.layers.quantization import triton_layout
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -65,7 +69,10 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def can_quantize(w: torch.Tensor) -> bool:
-    """Whether ``w`` [out, in] can use the int8 kernel: ``packable`` and the kernel built."""
+    """Whether ``w`` [out, in] can use an int8 kernel: on CUDA the Triton one (with triton
+    installed), on CPU the C++ one (``packable`` and the kernel built)."""
+    if triton_layout.triton_device(w.device):
+        return w.dim() == 2
     return packable(w) and load_int8_gemm() is not None
 
 
@@ -175,7 +182,7 @@ class Int8LinearMethod(PerChannelInt8Method):
     scale (buffer ``weight_scale``)."""
 
     format_name = "int8"
-    requirements = "the CPU kernels, float32 and out_features % 16 == 0"
+    requirements = "CUDA with triton, or the CPU kernels, float32 and out_features % 16 == 0"
 
     def __init__(self) -> None:
         super().__init__()
@@ -186,8 +193,10 @@ class Int8LinearMethod(PerChannelInt8Method):
 
     def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         typed = cast(Int8Layer, layer)
-        typed.weight, typed.weight_scale = nn.Parameter(pack_int8(q), requires_grad=False), scale
-        kernel = load_int8_gemm()
+        on_gpu = triton_layout.triton_device(q.device)
+        packed = triton_layout.pack_int8(q) if on_gpu else pack_int8(q)
+        typed.weight, typed.weight_scale = nn.Parameter(packed, requires_grad=False), scale.float()
+        kernel = triton_layout.int8_gemm() if on_gpu else load_int8_gemm()
         assert kernel is not None, "can_quantize checked that the kernel built"
         self._kernel = kernel
 

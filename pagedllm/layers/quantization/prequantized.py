@@ -1,8 +1,9 @@
 """Pre-quantized checkpoints on the int8 per-output-channel layers (``int8.py`` / ``w8a8.py``).
 
 A pre-quantized checkpoint (FP8, compressed-tensors, bitsandbytes) stores each linear weight in
-its own code (fp8 blocks, int8 groups, 4-bit nibbles) with its own scales. On CPU the kernels we
-have take int8 weights with one float32 scale per output row, so each format is a
+its own code (fp8 blocks, int8 groups, 4-bit nibbles) with its own scales. The kernels we have
+(C++ on CPU, Triton on CUDA; W8A8 on CPU only, weight-only int8 standing in for it on CUDA) take
+int8 weights with one float32 scale per output row, so each format is a
 :class:`CheckpointScheme` that reads one layer's tensors and hands back that form: exactly when the
 checkpoint already is int8 per channel (compressed-tensors W8A8/W8A16 channel-wise, bitsandbytes
 8-bit), otherwise by dequantizing that one layer to float32 and quantizing it per channel again
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
-from pagedllm.layers.quantization.int8 import Int8Layer, PerChannelInt8Method, quantize_per_channel
+from pagedllm.layers.quantization.int8 import Int8Layer, Int8LinearMethod, PerChannelInt8Method, quantize_per_channel
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.layers.sharding import ShardId
 
@@ -151,6 +152,7 @@ class PrequantizedInt8Method(LinearMethodBase):
 
     def __init__(self, target: PerChannelInt8Method) -> None:
         self.target = target
+        self.params_dtype = torch.float32  # the model's, for a weight no kernel takes
 
     def create_weights(
         self,
@@ -160,6 +162,7 @@ class PrequantizedInt8Method(LinearMethodBase):
         params_dtype: torch.dtype,
         weight_loader: WeightLoader,
     ) -> None:
+        self.params_dtype = params_dtype
         out = sum(output_sizes)
         weight = nn.Parameter(torch.empty(out, input_size, dtype=torch.int8), requires_grad=False)
         scale = torch.empty(out, dtype=torch.float32)
@@ -177,21 +180,29 @@ class PrequantizedInt8Method(LinearMethodBase):
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         typed = cast(Int8Layer, layer)
         q, scale = typed.weight.data, typed.weight_scale
-        # A float32 stand-in of Q's shape (no memory): what the target's kernel check reads.
-        if self.target.can_take(torch.empty((1, 1), device=q.device).expand(q.shape)):
-            self.target.store(layer, q, scale)
-            self.target.quantized = True
-            typed.quant_method = self.target
+        target = self._runnable_target(q)
+        if target is not None:
+            target.store(layer, q, scale)
+            target.quantized = True
+            typed.quant_method = target
             return
         logger.warning(
-            "%s layer of shape %s runs in float32 (its kernel needs %s)",
+            "%s layer of shape %s runs in %s (its kernel needs %s)",
             self.target.format_name,
             tuple(q.shape),
+            self.params_dtype,
             self.target.requirements,
         )
-        typed.weight = nn.Parameter(q.float() * scale[:, None], requires_grad=False)
+        typed.weight = nn.Parameter((q.float() * scale[:, None]).to(self.params_dtype), requires_grad=False)
         typed.quant_method = UnquantizedLinearMethod()
         typed.quant_method.process_weights_after_loading(layer)
+
+    def _runnable_target(self, q: torch.Tensor) -> PerChannelInt8Method | None:
+        """The target when its kernel takes Q, else the weight-only int8 method when that one's
+        does (W8A8 on CUDA: the same Q and scales, activations left float), else None."""
+        # A float32 stand-in of Q's shape (no memory): what the kernel checks read.
+        stand_in = torch.empty((1, 1), device=q.device).expand(q.shape)
+        return next((t for t in (self.target, Int8LinearMethod()) if t.can_take(stand_in)), None)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         raise RuntimeError("a pre-quantized layer runs only after its quant_method.process_weights_after_loading")
