@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.tensor_parallel import decode_engine
 
 HIDDEN = 576
 
@@ -87,25 +88,7 @@ def decode_rate(model_dir: str, batch: int, rounds: int, pipeline_parallel_size:
     """Run in a child process: one engine; the time every request takes to decode ``rounds`` tokens."""
     import torch
 
-    from pagedllm.config import EngineArgs
-    from pagedllm.engine.llm_engine import LLMEngine
-    from pagedllm.sampling_params import SamplingParams
-
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=model_dir,
-            load_format="dummy",
-            dtype="float32",
-            enable_prefix_caching=False,
-            max_num_seqs=batch,
-            kv_cache_memory=1,
-            pipeline_parallel_size=pipeline_parallel_size,
-        )
-    )
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
-    for i in range(batch):
-        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(32)]}, params)
+    engine = decode_engine(model_dir, batch, pipeline_parallel_size=pipeline_parallel_size)
     requests = engine.engine_core.scheduler.requests
 
     def least_decoded() -> int:
