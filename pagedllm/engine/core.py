@@ -1,4 +1,5 @@
-"""EngineCore: the step loop — schedule, execute, update. Runs in-process or in its own process."""
+"""EngineCore: the step loop — schedule, execute, update (with pipeline stages, up to one batch per
+stage in flight: ``batch_queue.py``). Runs in-process or in its own process."""
 
 from __future__ import annotations
 
