@@ -50,10 +50,9 @@ def _model_dir(path: Path) -> Path:
     return path
 
 
-def decode_step(model_dir: str, batch: int, rounds: int, **parallel: int) -> dict[str, Any]:
-    """Run in a child process: one engine (``parallel``: its tensor/pipeline sizes), median decode step."""
-    import torch
-
+def decode_engine(model_dir: str, batch: int, **parallel: int) -> Any:
+    """An LLMEngine (``parallel``: its tensor/pipeline sizes) holding ``batch`` greedy requests
+    with 32-token prompts that never stop."""
     from pagedllm.config import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
     from pagedllm.sampling_params import SamplingParams
@@ -73,6 +72,14 @@ def decode_step(model_dir: str, batch: int, rounds: int, **parallel: int) -> dic
     params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
     for i in range(batch):
         engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(32)]}, params)
+    return engine
+
+
+def decode_step(model_dir: str, batch: int, rounds: int, **parallel: int) -> dict[str, Any]:
+    """Run in a child process: one engine (``parallel``: its tensor/pipeline sizes), median decode step."""
+    import torch
+
+    engine = decode_engine(model_dir, batch, **parallel)
     for _ in range(4):  # prefill and warm-up
         engine.step()
     executor = engine.engine_core.executor

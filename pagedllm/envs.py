@@ -58,6 +58,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "pipeline parallelism: decoder layers per stage, e.g. 2,1 (default: an even split)",
         ),
         EnvVar(
+            "PAGEDLLM_PP_BATCHES_IN_FLIGHT",
+            "",
+            "pipeline parallelism: batches the engine keeps running at once, 1 to the stage count "
+            "(default: one per stage; 1 makes the stages take turns)",
+        ),
+        EnvVar(
             "PAGEDLLM_DEBUG_ENDPOINTS",
             "0",
             "1 serves GET /debug/integrity (the KV block pool's integrity check, for tests); never in production",
@@ -133,6 +139,19 @@ def set_omp_num_threads(count: int) -> None:
 def executor_timeout_s() -> float:
     """``PAGEDLLM_EXECUTOR_TIMEOUT_S``: how long a step waits for a silent worker rank."""
     return float(get("PAGEDLLM_EXECUTOR_TIMEOUT_S"))
+
+
+def pp_batches_in_flight(num_stages: int) -> int:
+    """``PAGEDLLM_PP_BATCHES_IN_FLIGHT``, else ``num_stages``: how many batches a pipeline keeps running."""
+    value = get("PAGEDLLM_PP_BATCHES_IN_FLIGHT")
+    if not value:
+        return num_stages
+    if not value.isdigit() or not 1 <= int(value) <= num_stages:
+        raise ValueError(
+            f"PAGEDLLM_PP_BATCHES_IN_FLIGHT must be an integer from 1 to the pipeline's {num_stages} stages, "
+            f"got {value!r}; unset it for one batch per stage"
+        )
+    return int(value)
 
 
 def ray_placement() -> str:

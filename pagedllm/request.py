@@ -77,6 +77,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens found in the prefix cache; -1 = not looked up yet
         self.num_preemptions = 0
+        # Scheduled batches whose results have not come back yet (pipeline stages keep several in
+        # flight): while any, its next token is unknown and its blocks are not free to take.
+        self.num_in_flight = 0
         # Content hashes of the full blocks of all_token_ids, kept up to date by the KV manager.
         self.block_hashes: list[BlockHash] = []
         self.max_tokens = sampling_params.max_tokens

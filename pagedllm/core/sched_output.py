@@ -35,6 +35,9 @@ class CachedRequestData:
     resumed_from_preemption: list[bool] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Pipeline stages only (else empty): the output tokens each request computes this step. A
+    # stage that does not sample learns the tokens the last stage drew from these.
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
     def add(self, req_id: str, resumed: bool, new_block_ids: list[int], num_computed_tokens: int) -> None:
         self.req_ids.append(req_id)
@@ -74,6 +77,11 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return self.total_num_scheduled_tokens == 0
+
+    @property
+    def has_side_effects(self) -> bool:
+        """An empty step the workers must still see: state to drop, or KV blocks to copy."""
+        return bool(self.finished_req_ids or self.kv_swap_out or self.kv_swap_in or self.kv_block_copies)
 
 
 @dataclass

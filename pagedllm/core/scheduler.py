@@ -20,7 +20,7 @@ from pagedllm.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from pagedllm.core.request_events import RequestEvents
 from pagedllm.core.request_queue import create_request_queue
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.core.step_plan import StepPlan, build_scheduler_output
+from pagedllm.core.step_plan import ONE_STAGE, PipelineShape, StepPlan, build_scheduler_output
 from pagedllm.core.step_result import append_and_check_stop, make_output, settle_spec_tokens
 from pagedllm.engine.protocol import (
     EngineCoreEventType,
@@ -47,8 +47,11 @@ class Scheduler:
         speculative_config: SpeculativeConfig | None = None,
         num_swap_blocks: int = 0,
         max_loras: int | None = None,
+        pipeline: PipelineShape = ONE_STAGE,
     ) -> None:
+        """``pipeline``: the workers' pipeline stages and the batches the engine keeps in flight."""
         self.config = scheduler_config
+        self.pipeline = pipeline
         self.max_loras = max_loras  # distinct LoRA adapters the running requests may use; None: LoRA off
         # Slots past the scheduled tokens that a draft model writes its own KV into.
         self.num_lookahead_tokens = 0 if speculative_config is None else speculative_config.num_lookahead_tokens
@@ -92,7 +95,7 @@ class Scheduler:
                 self.compiling.remove(request)
             else:
                 self.waiting.remove(request)
-            self._free_request(request, status)
+            self._release(request, status)
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
         """Forget every cached prefix block, so no later lookup hits (vLLM's semantics). Refused
@@ -112,18 +115,30 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
     def schedule(self) -> SchedulerOutput:
         """Plan one step: running requests first, then waiting ones."""
-        plan = StepPlan(token_budget=self.config.max_num_batched_tokens)
         self._admit_compiled()
+        plan = StepPlan(self.config.max_num_batched_tokens, self._batch_seqs())
         self._schedule_running(plan)
-        if not plan.preempted:
+        if not plan.short_of_blocks:
             self._schedule_waiting(plan)
-        output = build_scheduler_output(plan, self.requests, self.kv_cache_manager, self.finished_req_ids)
+        output = build_scheduler_output(
+            plan, self.requests, self.kv_cache_manager, self.finished_req_ids, self.pipeline.num_stages > 1
+        )
         if self.spec_policy is not None:
             output.spec_token_limits = self.spec_policy.limits(plan.num_scheduled_tokens, plan.spec_tokens)
         for req_id, num_tokens in plan.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += num_tokens
+            request = self.requests[req_id]
+            request.num_computed_tokens += num_tokens
+            request.num_in_flight += 1
         self.finished_req_ids = set()
         return output
+
+    def _batch_seqs(self) -> int:
+        """The requests one batch may take: all of them with one batch in flight; with k, about
+        1/k, so that while batch i runs on the last stage batch i+1 (other requests) runs on the
+        first. A request in flight is skipped anyway: its next token is not known yet, so its
+        computed count has caught up with its tokens."""
+        total = len(self.running) + len(self.waiting)
+        return -(-total // self.pipeline.max_batches_in_flight)
 
     def _admit_compiled(self) -> None:
         """Queue the requests whose grammar is ready; fail those whose compile failed or timed out."""
@@ -152,7 +167,7 @@ class Scheduler:
     def _schedule_running(self, plan: StepPlan) -> None:
         # A snapshot: preemption removes entries from self.running as we go.
         for request in list(self.running):
-            if plan.token_budget <= 0:
+            if plan.token_budget <= 0 or plan.is_full:
                 return
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
@@ -183,6 +198,11 @@ class Scheduler:
             if block_ids is not None:
                 return block_ids
             victim = self._pick_victim()
+            if victim.num_in_flight:
+                # Its batch still runs on the workers: its blocks are not ours to take yet. The
+                # engine collects that batch when nothing can be scheduled, so this ends.
+                plan.blocked = True
+                return None
             if victim.request_id in plan.num_scheduled_tokens:
                 plan.drop(victim)
             self._preempt(victim)
@@ -215,7 +235,12 @@ class Scheduler:
                 self.waiting.prepend(request)
 
     def _admit_waiting(self, plan: StepPlan, lora_waits: list[Request]) -> None:
-        while len(self.waiting) and plan.token_budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (
+            len(self.waiting)
+            and plan.token_budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and not plan.is_full
+        ):
             request = self.waiting.peek()
             if not self._lora_fits(request, lora_waits):
                 lora_waits.append(self.waiting.pop())
@@ -276,14 +301,18 @@ class Scheduler:
         outputs, self._pending_outputs = self._pending_outputs, []
         for req_id in scheduler_output.num_scheduled_tokens:
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
-                continue  # aborted while the step ran
+            if request is None:
+                continue
+            request.num_in_flight -= 1
+            if request.is_finished:  # aborted while its batch ran: its blocks are free to go now
+                self._release(request, request.status)
+                continue
             output = self._update_request(request, scheduler_output, runner_output)
             if output is not None:
                 outputs.append(output)
             if request.is_finished:
                 self.running.remove(request)
-                self._free_request(request, request.status)
+                self._release(request, request.status)
         return EngineCoreOutputs(
             outputs=outputs, scheduler_stats=self.make_stats(scheduler_output.total_num_scheduled_tokens)
         )
@@ -323,6 +352,17 @@ class Scheduler:
         output.pooling_output = pooled
         output.events = self.events.take(request.request_id)
         return output
+
+    def _release(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request that has left the queues; its blocks go back once no batch that
+        computes into them is still in flight (``update_from_output`` frees it then)."""
+        request.status = status
+        if not request.num_in_flight:
+            self._free_request(request, status)
+
+    def in_flight_ids(self) -> set[str]:
+        """Finished requests whose blocks wait for a batch in flight."""
+        return {r.request_id for r in self.requests.values() if r.num_in_flight and r.is_finished}
 
     def _free_request(self, request: Request, status: RequestStatus) -> None:
         request.status = status
@@ -364,8 +404,9 @@ class Scheduler:
         """The block pool's invariants hold and no finished request keeps blocks."""
         self.kv_cache_manager.check_integrity()
         # Only running requests hold blocks: admission allocates all-or-nothing, and preempting,
-        # finishing or aborting a request frees its blocks at once.
-        live = {r.request_id for r in self.running}
+        # finishing or aborting a request frees its blocks at once, or (pipeline stages) when the
+        # last batch in flight that holds it comes back.
+        live = {r.request_id for r in self.running} | self.in_flight_ids()
         leaked = [rid for rid in self.kv_cache_manager.req_to_blocks if rid not in live]
         if leaked:
             raise RuntimeError(f"blocks still held by requests that are not running: {leaked}")

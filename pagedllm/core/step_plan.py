@@ -9,11 +9,25 @@ from pagedllm.kv_cache.manager import KVCacheManager
 from pagedllm.request import Request
 
 
+@dataclass(frozen=True)
+class PipelineShape:
+    """``num_stages`` pipeline stages (more than one: the steps carry the sampled tokens to the
+    stages that do not sample) and ``max_batches_in_flight`` batches the engine keeps running."""
+
+    num_stages: int = 1
+    max_batches_in_flight: int = 1
+
+
+ONE_STAGE = PipelineShape()
+
+
 @dataclass
 class StepPlan:
     """What one ``schedule()`` call has decided so far."""
 
     token_budget: int
+    # Requests one batch may take: with k batches in flight (pipeline stages), about 1/k of them.
+    max_seqs: int = 1 << 62
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     new_reqs: list[Request] = field(default_factory=list)
     cached_reqs: list[Request] = field(default_factory=list)
@@ -21,6 +35,17 @@ class StepPlan:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)
     preempted: list[Request] = field(default_factory=list)
     spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # A running request found no blocks, and the request to preempt for them was in a batch still
+    # in flight: nothing waiting is admitted this step either.
+    blocked: bool = False
+
+    @property
+    def is_full(self) -> bool:
+        return len(self.num_scheduled_tokens) >= self.max_seqs
+
+    @property
+    def short_of_blocks(self) -> bool:
+        return self.blocked or bool(self.preempted)
 
     def add(self, request: Request, num_tokens: int, block_ids: list[int]) -> None:
         self.num_scheduled_tokens[request.request_id] = num_tokens
@@ -44,9 +69,14 @@ class StepPlan:
 
 
 def build_scheduler_output(
-    plan: StepPlan, requests: dict[str, Request], kv_cache_manager: KVCacheManager, finished_req_ids: set[str]
+    plan: StepPlan,
+    requests: dict[str, Request],
+    kv_cache_manager: KVCacheManager,
+    finished_req_ids: set[str],
+    send_token_ids: bool = False,
 ) -> SchedulerOutput:
-    """The plan as the worker reads it. Call before the computed counts advance."""
+    """The plan as the worker reads it. Call before the computed counts advance. ``send_token_ids``
+    (pipeline stages): each running request's output tokens of the step go along too."""
     new_reqs = [
         NewRequestData(
             r.request_id,
@@ -64,6 +94,10 @@ def build_scheduler_output(
         resumed = r.request_id in plan.resumed
         block_ids = kv_cache_manager.get_block_ids(r.request_id) if resumed else plan.new_block_ids[r.request_id]
         cached.add(r.request_id, resumed, block_ids, r.num_computed_tokens)
+    if send_token_ids:
+        cached.new_token_ids = [
+            _step_output_tokens(r, plan.num_scheduled_tokens[r.request_id]) for r in plan.cached_reqs
+        ]
     swap_out, swap_in = kv_cache_manager.take_kv_copies()
     return SchedulerOutput(
         new_reqs,
@@ -78,6 +112,13 @@ def build_scheduler_output(
         kv_swap_in=swap_in,
         kv_block_copies=kv_cache_manager.take_block_copies(),
     )
+
+
+def _step_output_tokens(request: Request, num_tokens: int) -> list[int]:
+    """The output tokens among the ``num_tokens`` the request computes from its computed count:
+    for a decode step, the token sampled last (which stages before the last have not seen)."""
+    start = max(request.num_computed_tokens, request.num_prompt_tokens)
+    return request.all_token_ids[start : request.num_computed_tokens + num_tokens]
 
 
 def _structured_rows(plan: StepPlan, requests: dict[str, Request]) -> list[str]:

@@ -3,9 +3,10 @@ transfers.
 
 Model files ask :func:`get_pp_group` once, at construction, for their layer range (and whether they
 hold the embedding, the final norm and the LM head); the model runner uses it to receive the previous
-stage's hidden states and residual, send its own to the next stage, and share the last stage's
-sampled tokens. Without an installed group (one process, tests) this is stage 0 of 1, owning every
-layer, and nothing is sent.
+stage's hidden states and residual and to send its own to the next stage. The tokens the last stage
+samples reach the other stages in the engine core's next plan (``CachedRequestData.new_token_ids``),
+so no stage ever waits for a later one, and several batches can be in flight. Without an installed
+group (one process, tests) this is stage 0 of 1, owning every layer, and nothing is sent.
 
 The layer split is even by default; what does not divide goes to the stages before the last, since
 the last one also runs the LM head and the sampler (vLLM's ``get_pp_indices``).
@@ -61,15 +62,6 @@ class PPGroup:
         buf = torch.empty(2, num_tokens, hidden_size, dtype=dtype)
         dist.recv(buf, group=self.group, group_src=self.rank - 1)
         return buf[0], buf[1]
-
-    def share_sampled(self, token_ids: list[list[int]] | None) -> list[list[int]]:
-        """The last stage's sampled tokens, on every stage (each keeps the requests' tokens: the
-        first stage embeds them next step, and every stage's batch must stay the same)."""
-        box: list[object] = [token_ids]
-        dist.broadcast_object_list(box, group=self.group, group_src=self.size - 1)
-        result = box[0]
-        assert isinstance(result, list), "the last stage always sends its tokens"
-        return result
 
 
 _SINGLE = PPGroup()

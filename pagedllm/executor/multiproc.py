@@ -13,8 +13,12 @@ all-gathered (bit-identical on every rank), and every rank seeds torch alike and
 same order, so workers' per-request state never diverges. With pipeline parallelism it is the
 last stage, the only one that samples: each stage runs its layers and sends its hidden states
 and residual to the next (``distributed/pipeline.py``), and the last stage broadcasts the
-sampled tokens back to the others. One step is in flight at a time: a stage idles while the
-others run. The waits watch each worker's process sentinel: a rank that dies makes the step raise
+sampled tokens in the engine core's next plan (``CachedRequestData.new_token_ids``), so no stage
+waits for a later one. The engine core keeps up to one step per stage in flight
+(``submit_model``; ``engine/batch_queue.py``): each rank reads its steps in order and answers in
+order, so the engine collects them oldest first. A stage reads its pipe on a thread of its own
+then, so a large plan sent while the stage computes never blocks the engine core (which would
+block the stage's answer in turn). The waits watch each worker's process sentinel: a rank that dies makes the step raise
 at once, naming it, and a rank that goes silent raises after ``PAGEDLLM_EXECUTOR_TIMEOUT_S``.
 
 Crash safety: each worker arms ``PR_SET_PDEATHSIG`` (SIGKILL) first thing and exits if its
@@ -40,6 +44,7 @@ from pagedllm import cpu_info, envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.executor import die_with_parent
+from pagedllm.executor.pending import PendingStep, reader_thread
 from pagedllm.metrics.startup import StartupPhases
 
 if TYPE_CHECKING:
@@ -82,6 +87,7 @@ class MultiprocExecutor:
         self.procs: list[BaseProcess] = []
         self.conns: list[Connection] = []
         self._closed = False
+        self._submitted = self._collected = 0  # steps sent with submit_model, and collected
         start = time.perf_counter()
         for rank in range(self.world_size):
             parent_end, child_end = ctx.Pipe()
@@ -129,6 +135,20 @@ class MultiprocExecutor:
         for benchmarks: not part of the executor interface."""
         return cast(dict[str, int] | None, self._call("collective_stats")[0])
 
+    def submit_model(self, sched: SchedulerOutput) -> PendingStep:
+        """Send a step and return at once (pipeline stages); ``result()`` collects it, oldest first."""
+        self._send("execute_model", (sched,))
+        self._submitted += 1
+        return PendingStep(self.collect, self._submitted)
+
+    def collect(self, index: int) -> ModelRunnerOutput:
+        """The output of the ``index``-th submitted step, which must be the oldest not collected."""
+        assert index == self._collected + 1, "steps are collected in the order they were submitted"
+        self._collected = index
+        result = self._gather(envs.executor_timeout_s(), "execute_model")[self.output_rank]
+        assert isinstance(result, ModelRunnerOutput)
+        return result
+
     def shutdown(self) -> None:
         """Stop every rank (idempotent)."""
         if not self._closed:
@@ -137,6 +157,10 @@ class MultiprocExecutor:
 
     # ------------------------------------------------------------------ transport
     def _call(self, method: str, *args: Any, timeout: float = _STARTUP_TIMEOUT_S) -> list[Any]:
+        self._send(method, args)
+        return self._gather(timeout, method)
+
+    def _send(self, method: str, args: tuple[Any, ...]) -> None:
         if self._closed:
             raise WorkerDiedError("the worker processes are shut down")
         for rank, conn in enumerate(self.conns):
@@ -145,7 +169,6 @@ class MultiprocExecutor:
             except (BrokenPipeError, ConnectionResetError, OSError) as e:
                 self._abort()
                 raise self._died(rank, method) from e
-        return self._gather(timeout, method)
 
     def _gather(self, timeout: float, what: str) -> list[Any]:
         """Every rank's answer to the last request; raises when a rank dies, fails or times out."""
@@ -299,10 +322,12 @@ def _worker_main(
     except Exception as e:
         conn.send((False, portable_error(e)))
         raise SystemExit(1) from e
+    # A pipeline stage may be sent its next steps while it computes: read them on a thread.
+    receive = reader_thread(conn) if config.parallel_config.pipeline_parallel_size > 1 else conn.recv
     try:
         while True:
             try:
-                method, args = conn.recv()
+                method, args = receive()
             except EOFError:  # the engine core is gone
                 break
             if method == "shutdown":

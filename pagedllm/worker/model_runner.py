@@ -143,6 +143,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         update_states(self.requests, sched, self._make_generator)
+        if sched.scheduled_cached_reqs.new_token_ids:
+            self._take_sampled(sched)
         self.kv_tier.copy(
             sched.kv_swap_out, sched.kv_swap_in, sched.kv_block_copies
         )  # before the forward writes any block
@@ -151,7 +153,7 @@ class ModelRunner:
             self.pooler.forget(sched.finished_req_ids)
         if sched.is_empty:
             return ModelRunnerOutput(sampled_token_ids={})
-        batch = self.input_batch.prepare(sched, sampling=self.pooler is None)
+        batch = self.input_batch.prepare(sched, sampling=self.pooler is None and self.pp.is_last)
         if not self.pp.is_last:
             return self._run_earlier_stage(batch)
         lora_mapping, errors = self._prepare_lora(batch)
@@ -189,14 +191,24 @@ class ModelRunner:
         return cast(torch.Tensor | IntermediateTensors, out)
 
     def _run_earlier_stage(self, batch: BatchInputs) -> ModelRunnerOutput:
-        """A stage before the last: run its layers, hand the result on, then record the tokens the
-        last stage sampled (this stage's batch must stay the same as the last one's)."""
+        """A stage before the last: run its layers and hand the result on. It never waits for the
+        last stage: the tokens that one samples reach it in a later step's plan."""
         out = self._stage_forward(batch)
         assert isinstance(out, IntermediateTensors), "only the last stage ends with the final norm"
         self.pp.send(out.hidden_states, out.residual)
-        if batch.sampling is not None:
-            self.input_batch.record_sampled(batch, self.pp.share_sampled(None))
         return ModelRunnerOutput(sampled_token_ids={})  # the last stage's output is the step's
+
+    def _take_sampled(self, sched: SchedulerOutput) -> None:
+        """Pipeline stages: append the output tokens a request computes this step that this rank
+        has not seen (a stage before the last samples nothing itself; the last one has them all)."""
+        cached = sched.scheduled_cached_reqs
+        for req_id, computed, tokens in zip(cached.req_ids, cached.num_computed_tokens, cached.new_token_ids):
+            state = self.requests[req_id]
+            missing = computed + sched.num_scheduled_tokens[req_id] - state.num_tokens
+            if missing > 0:
+                state.output_token_ids.extend(tokens[-missing:])
+                if req_id in self.input_batch.row_of:
+                    self.input_batch.append_tokens(req_id, tokens[-missing:])
 
     def _prepare_lora(self, batch: BatchInputs) -> tuple[Any, dict[str, str]]:
         """The step's LoRA mapping (None when no row runs an adapter), and req_id -> why for the
@@ -226,8 +238,6 @@ class ModelRunner:
         assert batch.sampling is not None, "called only for steps that sample"
         result = self.sampler.sample(logits, batch.sampling, batch.drafts)
         emitted = result.token_ids
-        if self.pp.size > 1:
-            self.pp.share_sampled(emitted)
         self.input_batch.record_sampled(batch, emitted)
         output.sampled_token_ids.update(zip(batch.sample_req_ids, emitted))
         if result.logprobs_tensors is not None:

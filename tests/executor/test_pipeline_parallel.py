@@ -215,14 +215,16 @@ def test_killed_stage_fails_the_engine_cleanly(llama_model_dir):
 
 
 def test_server_pp2_completion_matches_one_process(llama_model_dir):
-    prompt = "the quick brown fox"
+    """Four prompts in one request: the engine core keeps two batches of them in flight."""
+    prompts = ["the quick brown fox", "hello world", "one two three", "a b c d e f g"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    ref = LLM(str(llama_model_dir), dtype="float32").generate([prompt], params, use_tqdm=False)
+    ref = LLM(str(llama_model_dir), dtype="float32").generate(prompts, params, use_tqdm=False)
     with RemoteServer(llama_model_dir, ["--served-model-name", "tiny", "--dtype", "float32", "-pp", "2"]) as srv:
         tree = psutil.Process(srv.proc.pid).children(recursive=True)
         assert len(tree) >= 3  # the engine core and its two stages
         out = srv.openai_client().completions.create(
-            model="tiny", prompt=prompt, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+            model="tiny", prompt=prompts, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
         )
-        assert out.choices[0].text == ref[0].outputs[0].text
+        got = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+        assert got == [r.outputs[0].text for r in ref]
     assert _all_gone(tree, timeout=10)
