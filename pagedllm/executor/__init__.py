@@ -23,6 +23,10 @@ class Executor(Protocol):
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
 
+    def check_health(self) -> None:
+        """Between steps: raise if a rank is gone (the engine core's idle loop asks)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
