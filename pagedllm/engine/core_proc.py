@@ -309,7 +309,7 @@ def _share_cores(num_engines: int) -> None:
     (at least one), the tensor-parallel split, since more threads than cores in all is a 7-8x
     slowdown. Set before the worker sizes its pool; a user's ``OMP_NUM_THREADS`` wins."""
     from pagedllm import envs
-    from pagedllm.executor.multiproc import threads_per_rank
+    from pagedllm.executor.rank import threads_per_rank
 
     if envs.omp_num_threads():
         return

@@ -10,6 +10,10 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.startup import StartupPhases
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process (a tensor-parallel rank or a pipeline stage) exited or stopped answering."""
+
+
 class Executor(Protocol):
     """What the engine core calls: in process (``uniproc``), one process per rank (``multiproc``)
     or one Ray actor per rank (``ray_executor``)."""

@@ -38,8 +38,9 @@ from typing import Any
 
 from pagedllm.config import EngineConfig
 from pagedllm.config.parallel import ParallelConfig, parse_init_method
-from pagedllm.executor import die_with_parent
-from pagedllm.executor.net import node_ip, resolve, set_keepalive
+from pagedllm.executor import WorkerDiedError, die_with_parent
+from pagedllm.executor.net import free_port, node_ip, resolve, set_keepalive
+from pagedllm.executor.rank import run_rank, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +82,6 @@ def _hello(parallel: ParallelConfig) -> dict[str, int]:
 # ---------------------------------------------------------------------------------------- node 0
 def accept_nodes(config: EngineConfig) -> Joined:
     """Node 0: wait until every other node's ranks have joined, then send each its start-up."""
-    from pagedllm.executor.multiproc import WorkerDiedError, free_port
-
     parallel = config.parallel_config
     ip = node_ip(parallel)
     _, port = parse_init_method(parallel.distributed_init_method or "")
@@ -216,8 +215,6 @@ def remote_rank_main(parallel: ParallelConfig, rank: int, threads: int, ip: str,
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s [node{parallel.node_rank} rank{rank}] %(message)s"
     )
-    from pagedllm.executor.rank import run_rank
-
     try:
         conn, config, init_method = join_head(parallel, rank, ip)
     except ValueError as e:
@@ -240,8 +237,6 @@ def run_headless(parallel: ParallelConfig) -> int:
     """``pagedllm serve ... --headless`` on node R: start its ranks and wait for them. Exit code 0
     when node 0 shut down (or after SIGTERM / SIGINT), 2 when node 0 refused this node's settings,
     1 when node 0 died or a rank failed. Every rank exits with this process."""
-    from pagedllm.executor.multiproc import threads_per_rank
-
     ip = node_ip(parallel)
     k = parallel.ranks_per_node
     ranks = range(parallel.node_rank * k, (parallel.node_rank + 1) * k)

@@ -35,34 +35,25 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from pagedllm import cpu_info, envs
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from pagedllm.executor import WorkerDiedError
 from pagedllm.executor.multinode import RemoteRank, accept_nodes
-from pagedllm.executor.rank import worker_main
+from pagedllm.executor.net import free_port
+from pagedllm.executor.rank import threads_per_rank, worker_main
 from pagedllm.metrics.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
 
 _STARTUP_TIMEOUT_S = 600.0  # loading the weights, compiling the CPU kernels
 _STOP_TIMEOUT_S = 5.0
-
-
-def threads_per_rank(world_size: int) -> int:
-    """Split the usable cores between the ranks (at least one each): more threads than cores
-    across ranks is a 7-8x slowdown (docs: distributed facts)."""
-    return max(1, cpu_info.usable_cpus() // world_size)
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process (a tensor-parallel rank or a pipeline stage) exited or stopped answering."""
 
 
 class MultiprocExecutor:
@@ -270,9 +261,3 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
             proc.join(1.0)
     for conn in conns:
         conn.close()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

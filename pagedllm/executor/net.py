@@ -101,3 +101,9 @@ def set_keepalive(sock: socket.socket) -> None:
     for opt, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
         if hasattr(socket, opt):  # Linux; elsewhere the system's defaults
             sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, opt), value)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])

@@ -23,6 +23,12 @@ logger = logging.getLogger(__name__)
 _INIT_TIMEOUT_S = 60.0  # torch.distributed rendezvous and gloo collectives (the default is 30 min)
 
 
+def threads_per_rank(world_size: int) -> int:
+    """Split the usable cores between the ranks (at least one each): more threads than cores
+    across ranks is a 7-8x slowdown (docs: distributed facts)."""
+    return max(1, cpu_info.usable_cpus() // world_size)
+
+
 def portable_error(exc: Exception) -> Exception:
     """A worker's exception as the engine core will get it: ValueError as is, anything else by name."""
     return ValueError(str(exc)) if isinstance(exc, ValueError) else RuntimeError(f"{type(exc).__name__}: {exc}")

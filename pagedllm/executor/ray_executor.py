@@ -31,8 +31,8 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.config.parallel import check_ray_installed
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.multiproc import WorkerDiedError, free_port
-from pagedllm.executor.net import pin_gloo_interface
+from pagedllm.executor import WorkerDiedError
+from pagedllm.executor.net import free_port, pin_gloo_interface
 from pagedllm.executor.rank import init_rank, portable_error, run_method
 from pagedllm.metrics.startup import StartupPhases
 

@@ -30,17 +30,20 @@ _INIT = dict(distributed_init_method="tcp://10.0.0.1:29500")
 CLI = [sys.executable, "-m", "pagedllm.entrypoints.cli"]
 
 
-def _node_flags(port: int, rank: int) -> list[str]:
-    return ["-tp", "2", "--nnodes", "2", "--node-rank", str(rank), "--distributed-init-method", f"tcp://{HEAD}:{port}"]
+TP2 = ("-tp", "2")
+
+
+def _node_flags(port: int, rank: int, sizes: tuple[str, ...] = TP2) -> list[str]:
+    return [*sizes, "--nnodes", "2", "--node-rank", str(rank), "--distributed-init-method", f"tcp://{HEAD}:{port}"]
 
 
 class HeadlessNode:
     """``pagedllm serve MODEL ... --node-rank 1 --headless`` in its own process group."""
 
-    def __init__(self, model: Path, port: int, log: Path, extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: Path, port: int, log: Path, sizes: tuple[str, ...] = TP2) -> None:
         self.log_path = log
         self._log = open(log, "w")
-        cmd = [*CLI, "serve", str(model), *_node_flags(port, 1), "--headless", *extra]
+        cmd = [*CLI, "serve", str(model), *_node_flags(port, 1, sizes), "--headless"]
         env = {**os.environ, "PAGEDLLM_HOST_IP": NODE1}
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -68,28 +71,39 @@ def node1(llama_model_dir, tmp_path):
     node.close()
 
 
-def test_two_nodes_tp2_match_one_process(llama_model_dir, node1):
-    port, node = node1
-    model = str(llama_model_dir)
-    ref_llm = LLM(model, **ENGINE)
-    reference = _run(ref_llm, rounds=1)
-    assert _min_top2_gap(ref_llm) > 1e-4
-    before = _shm_segments()
-    llm = LLM(
-        model, tensor_parallel_size=2, nnodes=2, node_rank=0, distributed_init_method=f"tcp://{HEAD}:{port}", **ENGINE
-    )
+@pytest.mark.parametrize(
+    "sizes, kwargs",
+    [
+        (TP2, dict(tensor_parallel_size=2)),
+        # The last stage, whose answer is the step's output, runs on node 1.
+        (("-pp", "2"), dict(pipeline_parallel_size=2)),
+    ],
+    ids=["tp2", "pp2"],
+)
+def test_two_nodes_match_one_process(llama_model_dir, tmp_path, sizes, kwargs):
+    port, model = free_port(), str(llama_model_dir)
+    node = HeadlessNode(llama_model_dir, port, tmp_path / "node1.log", sizes)  # first: it retries until node 0 listens
     try:
-        executor = llm.llm_engine.engine_core.executor
-        assert isinstance(executor, MultiprocExecutor)
-        assert len(executor.procs) == 1  # rank 0 here, rank 1 on node 1
-        assert executor.remote[1].ip == NODE1 and executor.remote[1].node_rank == 1
-        assert executor.remote[1].pid in {p.pid for p in node.tree()}
-        assert _run(llm, rounds=1) == reference
-        assert _shm_segments() == before  # across hosts the all-reduce is gloo's
+        ref_llm = LLM(model, **ENGINE)
+        reference = _run(ref_llm, rounds=1)
+        assert _min_top2_gap(ref_llm) > 1e-4
+        before = _shm_segments()
+        llm = LLM(model, nnodes=2, node_rank=0, distributed_init_method=f"tcp://{HEAD}:{port}", **kwargs, **ENGINE)
+        tree = node.tree()
+        try:
+            executor = llm.llm_engine.engine_core.executor
+            assert isinstance(executor, MultiprocExecutor)
+            assert len(executor.procs) == 1  # rank 0 here, rank 1 on node 1
+            assert executor.remote[1].ip == NODE1 and executor.remote[1].node_rank == 1
+            assert executor.remote[1].pid in {p.pid for p in tree}
+            assert _run(llm, rounds=1) == reference
+            assert _shm_segments() == before  # across hosts the all-reduce is gloo's
+        finally:
+            llm.llm_engine.shutdown()
+        assert node.proc.wait(15) == 0, node.log()  # node 0 shut down cleanly: so does node 1
+        assert _all_gone(tree, timeout=5)
     finally:
-        llm.llm_engine.shutdown()
-    assert node.proc.wait(15) == 0, node.log()  # node 0 shut down cleanly: so does node 1
-    assert _all_gone(node.tree() if node.proc.poll() is None else [], timeout=5)
+        node.close()
 
 
 def _server(model: Path, port: int) -> RemoteServer:
@@ -197,7 +211,7 @@ def test_offline_engine_is_never_headless(llama_model_dir):
 def test_a_node_with_other_sizes_is_refused(llama_model_dir, tmp_path):
     """Node 1 started with -pp 2 besides -tp 2 (4 ranks, 2 a node): node 0 refuses it, naming both."""
     port = free_port()
-    node = HeadlessNode(llama_model_dir, port, tmp_path / "node1.log", extra=("-pp", "2"))
+    node = HeadlessNode(llama_model_dir, port, tmp_path / "node1.log", sizes=("-tp", "2", "-pp", "2"))
     try:
         with pytest.raises(ValueError, match=r"pipeline_parallel_size=2.*but node 0 runs.*pipeline_parallel_size=1"):
             LLM(str(llama_model_dir), tensor_parallel_size=2, nnodes=2, distributed_init_method=f"tcp://{HEAD}:{port}")
