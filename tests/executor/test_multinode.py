@@ -19,8 +19,9 @@ import pytest
 from entrypoints.openai.conftest import RemoteServer, free_port
 
 from pagedllm import LLM, SamplingParams
-from pagedllm.config.parallel import ParallelArgs
+from pagedllm.config.parallel import ParallelArgs, ParallelConfig
 from pagedllm.executor.multiproc import MultiprocExecutor
+from pagedllm.executor.net import is_loopback, node_ip
 
 from .netns import two_namespaces
 from .test_multiproc import ENGINE, GREEDY, PROMPTS, _all_gone, _min_top2_gap, _run, _shm_segments
@@ -263,3 +264,29 @@ def test_two_network_hosts_match_one_process(llama_model_dir, tmp_path):
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["remote"] == f"{net}.2"  # its routable address, found from the route to node 0
     assert got["tokens"] == [list(o.outputs[0].token_ids) for o in reference]
+
+
+def _config(node_rank: int, host: str) -> ParallelConfig:
+    return ParallelArgs(
+        tensor_parallel_size=2,
+        nnodes=2,
+        node_rank=node_rank,
+        headless=node_rank > 0,
+        distributed_init_method=f"tcp://{host}:29500",
+    ).create_parallel_config()
+
+
+def test_node_addresses(monkeypatch):
+    """Node 0 is the init method's host; another node its route to it, or PAGEDLLM_HOST_IP; a
+    loopback address only when node 0's is loopback too."""
+    monkeypatch.delenv("PAGEDLLM_HOST_IP", raising=False)
+    assert node_ip(_config(0, HEAD)) == HEAD
+    assert is_loopback(node_ip(_config(1, HEAD)))  # every node on this machine: loopback is right
+    with pytest.raises(ValueError, match=r"10\.254\.254\.254 \(the --distributed-init-method host\) is not an address"):
+        node_ip(_config(0, "10.254.254.254"))
+    monkeypatch.setenv("PAGEDLLM_HOST_IP", NODE1)
+    assert node_ip(_config(1, HEAD)) == NODE1
+    with pytest.raises(ValueError, match=r"loopback address 127\.0\.0\.3, which node 0 \(10\.254\.254\.254\)"):
+        node_ip(_config(1, "10.254.254.254"))
+    with pytest.raises(ValueError, match=r"PAGEDLLM_HOST_IP=127\.0\.0\.3 on node 0 differs"):
+        node_ip(_config(0, HEAD))
