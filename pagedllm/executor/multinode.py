@@ -32,6 +32,7 @@ import socket
 import struct
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -40,7 +41,7 @@ from pagedllm.config import EngineConfig
 from pagedllm.config.parallel import ParallelConfig, parse_init_method
 from pagedllm.executor import WorkerDiedError, die_with_parent
 from pagedllm.executor.net import free_port, node_ip, resolve, set_keepalive
-from pagedllm.executor.rank import run_rank, threads_per_rank
+from pagedllm.executor.rank import init_rank, run_rank, threads_per_rank
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +224,9 @@ def remote_rank_main(parallel: ParallelConfig, rank: int, threads: int, ip: str,
     except (OSError, EOFError) as e:
         logger.error("rank %d could not join node 0: %s", rank, e)
         raise SystemExit(1) from None
-    if run_rank(config, rank, parallel.world_size, init_method, threads, False, ip, conn):
+    if run_rank(
+        conn, config, rank, partial(init_rank, config, rank, parallel.world_size, init_method, threads, False, ip)
+    ):
         raise SystemExit(0)
     logger.error("rank %d: node 0 closed the connection without a shutdown (it died, or the step failed)", rank)
     raise SystemExit(1)

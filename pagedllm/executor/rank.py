@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+from collections.abc import Callable
+from functools import partial
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
@@ -101,32 +103,29 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank{rank}] %(message)s")
     parallel = config.parallel_config
-    run_rank(config, rank, parallel.world_size, init_method, threads, parallel.nnodes == 1, node_ip, conn)
+    same_host = parallel.nnodes == 1
+    run_rank(
+        conn,
+        config,
+        rank,
+        partial(init_rank, config, rank, parallel.world_size, init_method, threads, same_host, node_ip),
+    )
 
 
-def run_rank(
-    config: EngineConfig,
-    rank: int,
-    world_size: int,
-    init_method: str,
-    threads: int,
-    same_host: bool,
-    node_ip: str | None,
-    conn: Connection,
-) -> bool:
-    """Start the rank, report ready on ``conn`` (a pipe, or another node's socket), then answer
-    its requests until told to stop (True) or until the engine core is gone or a request failed
-    (False)."""
+def run_rank(conn: Connection, config: EngineConfig, rank: int, start: Callable[[], Worker]) -> bool:
+    """Start the rank (``start``: its ``init_rank``), report ready on ``conn`` (a pipe, or another
+    node's socket), then answer its requests until told to stop (True) or until the engine core
+    is gone or a request failed (False)."""
     import torch.distributed as dist
 
     try:
-        worker = init_rank(config, rank, world_size, init_method, threads, same_host, node_ip)
+        worker = start()
         conn.send((True, dict(worker.startup.seconds)))
     except Exception as e:
         with contextlib.suppress(OSError):
             conn.send((False, portable_error(e)))
         raise SystemExit(1) from e
-    output_rank = world_size - config.parallel_config.tensor_parallel_size
+    output_rank = config.parallel_config.world_size - config.parallel_config.tensor_parallel_size
     try:
         while True:
             try:
