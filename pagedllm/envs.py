@@ -75,9 +75,15 @@ ENV_VARS: dict[str, EnvVar] = {
         ),
         EnvVar("PAGEDLLM_RAY_CPUS_PER_RANK", "1", "Ray backend: CPUs each rank's bundle reserves (its thread count)"),
         EnvVar(
+            "PAGEDLLM_HOST_IP",
+            "",
+            "multi-node without Ray: the address this node's ranks use and advertise (default: node 0 the "
+            "--distributed-init-method host, another node its source address on the route to node 0)",
+        ),
+        EnvVar(
             "GLOO_SOCKET_IFNAME",
             "",
-            "network interface gloo uses (default: a Ray rank picks the one holding its node's IP)",
+            "network interface gloo uses (default: a rank of a multi-node or Ray run picks the one holding its node's IP)",
         ),
         EnvVar("TRITON_INTERPRET", "0", "1 runs Triton kernels in Triton's CPU interpreter (tests)"),
         EnvVar(
@@ -168,6 +174,11 @@ def ray_cpus_per_rank() -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"PAGEDLLM_RAY_CPUS_PER_RANK must be a positive integer, got {value!r}")
     return int(value)
+
+
+def host_ip() -> str | None:
+    """``PAGEDLLM_HOST_IP`` if set: this node's address in a multi-node run."""
+    return get("PAGEDLLM_HOST_IP") or None
 
 
 def set_gloo_socket_ifname(name: str) -> None:

@@ -118,6 +118,11 @@ class EngineArgs(
         OpenAI server) picks defaults that depend on the workload (the step token budget)."""
         if usage_context not in USAGE_CONTEXTS:
             raise ValueError(f"usage_context must be one of {sorted(USAGE_CONTEXTS)}, got {usage_context!r}")
+        if self.headless:
+            raise ValueError(
+                "headless runs only a node's worker ranks, not an engine: use `pagedllm serve MODEL --headless "
+                "--nnodes N --node-rank R --distributed-init-method tcp://HOST:PORT` on that node"
+            )
         self.check_load()
         model_dir = resolve_checkpoint(self.model_dir(), self.load_format)
         arch = load_arch_config(model_dir)

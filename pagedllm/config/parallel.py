@@ -1,10 +1,12 @@
 """Parallelism: ``ParallelArgs`` -> frozen ``ParallelConfig`` (tensor or pipeline parallel on CPU,
-local processes or Ray actors; data-parallel engine cores behind one server)."""
+local processes, processes on several nodes, or Ray actors; data-parallel engine cores behind one
+server)."""
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from pagedllm.config.options import check_choice, check_positive, option
 
@@ -17,6 +19,20 @@ class ParallelConfig:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = "mp"
+    # Several nodes without Ray: node 0 (the engine) listens at the init method's address; the
+    # other nodes run only their worker ranks (``--headless``).
+    distributed_init_method: str | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    headless: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
 
 
 @dataclass
@@ -50,11 +66,24 @@ class ParallelArgs:
     )
     distributed_init_method: str | None = option(
         None,
-        "tcp://host:port rendezvous for multi-node torch.distributed without Ray (not available yet)",
+        "tcp://HOST:PORT of node 0 for a multi-node run without Ray (--nnodes > 1): node 0 runs the engine "
+        "and listens there (HOST: one of its own, routable addresses); every node is given the same value",
         default_help="none: one machine, or Ray's own rendezvous",
     )
-    nnodes: int = option(1, "nodes of a --distributed-init-method run (not available yet)")
-    node_rank: int = option(0, "this node's index in a --distributed-init-method run (not available yet)")
+    nnodes: int = option(
+        1,
+        "nodes of a --distributed-init-method run; the tp x pp ranks are split evenly, node R holding "
+        "global ranks R*k .. R*k+k-1 (k = tp x pp / nnodes)",
+    )
+    node_rank: int = option(
+        0, "this node's index (0..nnodes-1) in a --distributed-init-method run; 0 runs the engine and the server"
+    )
+    headless: bool = option(
+        False,
+        "`pagedllm serve` on a node other than node 0 of a --nnodes run: start only this node's worker "
+        "ranks (no API server, no engine; the engine settings come from node 0, and MODEL must be at the "
+        "same path here) and exit when node 0 stops or dies",
+    )
 
     def create_parallel_config(self) -> ParallelConfig:
         check_positive("tensor_parallel_size", self.tensor_parallel_size)
@@ -71,17 +100,57 @@ class ParallelArgs:
         check_choice("distributed_executor_backend", self.distributed_executor_backend, DISTRIBUTED_BACKENDS)
         if self.distributed_executor_backend == "ray":
             self._check_ray()
-        if self.distributed_init_method is not None or self.nnodes != 1 or self.node_rank != 0:
-            raise ValueError(
-                "--distributed-init-method/--nnodes/--node-rank (multi-node torch.distributed without Ray) "
-                "are not available yet: for several nodes use --distributed-executor-backend ray on a Ray cluster"
-            )
+        self._check_nodes()
         return ParallelConfig(
             self.tensor_parallel_size,
             self.pipeline_parallel_size,
             self.data_parallel_size,
             self.distributed_executor_backend,
+            self.distributed_init_method,
+            self.nnodes,
+            self.node_rank,
+            self.headless,
         )
+
+    def _check_nodes(self) -> None:
+        """The multi-node flags fit together (checked on every node before anything starts)."""
+        check_positive("nnodes", self.nnodes)
+        multi = self.nnodes > 1 or self.distributed_init_method is not None or self.node_rank != 0 or self.headless
+        if not multi:
+            return
+        if self.distributed_executor_backend == "ray":
+            raise ValueError(
+                "--nnodes/--node-rank/--distributed-init-method/--headless start the ranks on each node "
+                "without Ray; the Ray backend places them on its cluster's nodes itself: drop those flags, "
+                "or drop --distributed-executor-backend ray"
+            )
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(
+                f"node_rank={self.node_rank} is out of range for nnodes={self.nnodes}: use 0..{self.nnodes - 1}"
+            )
+        if self.nnodes == 1:
+            raise ValueError(
+                "--distributed-init-method and --headless are for runs over several nodes: give --nnodes N > 1 "
+                "(and each node its --node-rank), or drop them on one machine"
+            )
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        if world % self.nnodes:
+            raise ValueError(
+                f"tensor_parallel_size x pipeline_parallel_size = {world} ranks cannot be split evenly over "
+                f"nnodes={self.nnodes}: make the ranks a multiple of the node count"
+            )
+        if self.distributed_init_method is None:
+            raise ValueError(
+                f"nnodes={self.nnodes} needs --distributed-init-method tcp://<node 0's IP>:<port>, the same on every node"
+            )
+        parse_init_method(self.distributed_init_method)
+        if self.node_rank == 0 and self.headless:
+            raise ValueError("node 0 runs the engine and the server: drop --headless there (it is for node_rank >= 1)")
+        if self.node_rank > 0 and not self.headless:
+            raise ValueError(
+                f"node_rank={self.node_rank} runs only worker ranks: start it with `pagedllm serve MODEL ... "
+                "--headless` (node 0 runs the engine)"
+            )
 
     def _check_ray(self) -> None:
         check_ray_installed()
@@ -90,6 +159,19 @@ class ParallelArgs:
                 "distributed_executor_backend='ray' runs tensor parallelism only for now: use "
                 "pipeline_parallel_size=1 and data_parallel_size=1 with it, or the default backend (mp)"
             )
+
+
+def parse_init_method(value: str) -> tuple[str, int]:
+    """``tcp://host:port`` -> (host, port); a ValueError that shows the expected form otherwise."""
+    form = f"distributed_init_method={value!r} must be tcp://HOST:PORT (node 0's address and a free port)"
+    parts = urlsplit(value)
+    try:
+        port = parts.port
+    except ValueError:
+        raise ValueError(form) from None
+    if parts.scheme != "tcp" or not parts.hostname or port is None or port == 0 or parts.path not in ("", "/"):
+        raise ValueError(form)
+    return parts.hostname, port
 
 
 def check_data_parallel(dp: int, device: str) -> None:

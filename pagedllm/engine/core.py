@@ -153,6 +153,10 @@ class EngineCore:
         self._drain()
         self.scheduler.check_integrity()
 
+    def check_health(self) -> None:
+        """Between steps: raises if a worker rank (here or on another node) is gone."""
+        self.executor.check_health()
+
     def shutdown(self) -> None:
         """Stop the executor's workers (a no-op in process)."""
         self.executor.shutdown()

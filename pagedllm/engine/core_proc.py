@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import os
 import queue
 import signal
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, cast
 
@@ -96,6 +98,8 @@ class EngineCoreProc:
                 # A step with no work still reports fresh stats (e.g. after aborts emptied the engine).
                 self.stats_dirty = False
                 self.output_queue.put((EngineCoreOutputType.OUTPUTS, self.core.step()))
+            else:  # idle (woken at least every _IDLE_WAKE_S): a dead rank must not wait for a request
+                self.core.check_health()
 
     def _process_input_queue(self, block: bool) -> bool:
         """Handle every queued input (waiting for one when ``block``); False on SHUTDOWN."""
@@ -287,9 +291,17 @@ def run_engine_core(
     ready_conn.close()
     try:
         proc.run()
-    finally:
+    except Exception:
+        logger.exception("the engine core failed; exiting")
         proc.shutdown()
         core.shutdown()
+        # Everything is stopped; a background thread still busy (the grammar compiler's warm-up
+        # importing transformers, measured at 13 s on a loaded machine) would hold a normal exit,
+        # and with it the server's, so leave now.
+        sys.stderr.flush()
+        os._exit(1)
+    proc.shutdown()
+    core.shutdown()
 
 
 def _share_cores(num_engines: int) -> None:
@@ -297,7 +309,7 @@ def _share_cores(num_engines: int) -> None:
     (at least one), the tensor-parallel split, since more threads than cores in all is a 7-8x
     slowdown. Set before the worker sizes its pool; a user's ``OMP_NUM_THREADS`` wins."""
     from pagedllm import envs
-    from pagedllm.executor.multiproc import threads_per_rank
+    from pagedllm.executor.rank import threads_per_rank
 
     if envs.omp_num_threads():
         return

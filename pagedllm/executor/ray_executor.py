@@ -7,7 +7,7 @@ a placement group (PACK, or STRICT_SPREAD with ``PAGEDLLM_RAY_PLACEMENT=spread``
 pinned to the engine core's node when that node is in the cluster; start one ``RankActor`` per
 bundle. Rank 0's actor names the rendezvous: its node's IP as Ray reports it (never a loopback
 address another host could not reach) and a free port there. Each actor then runs the very
-start-up of a multiprocess worker (``multiproc.init_rank``): gloo between the ranks, the
+start-up of a multiprocess worker (``rank.init_rank``): gloo between the ranks, the
 shared-memory all-reduce only when every rank is on one host.
 
 Each step the ``SchedulerOutput`` is put in the object store once and every actor runs it; rank
@@ -20,11 +20,8 @@ placement group and disconnects from a Ray instance this executor started.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
-import socket
-import struct
 import time
 import weakref
 from dataclasses import dataclass
@@ -34,7 +31,9 @@ from pagedllm import envs
 from pagedllm.config import EngineConfig
 from pagedllm.config.parallel import check_ray_installed
 from pagedllm.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from pagedllm.executor.multiproc import WorkerDiedError, free_port, init_rank, portable_error, run_method
+from pagedllm.executor import WorkerDiedError
+from pagedllm.executor.net import free_port, pin_gloo_interface
+from pagedllm.executor.rank import init_rank, portable_error, run_method
 from pagedllm.metrics.startup import StartupPhases
 
 logger = logging.getLogger(__name__)
@@ -72,7 +71,7 @@ class RankActor:
     ) -> tuple[bool, Any]:
         logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s [tp{rank}] %(message)s")
         self.rank = rank
-        _pin_gloo_interface(self.where().node_ip)
+        pin_gloo_interface(self.where().node_ip)
         try:
             self.worker = init_rank(config, rank, world_size, init_method, threads, same_host)
         except Exception as e:
@@ -81,29 +80,6 @@ class RankActor:
 
     def call(self, method: str, *args: Any) -> tuple[bool, Any]:
         return run_method(self.worker, self.rank, method, args)
-
-
-def _pin_gloo_interface(node_ip: str) -> None:
-    """gloo advertises what the hostname resolves to (often 127.0.x.1): other hosts cannot reach
-    that, so bind the interface holding the node's IP, unless the user chose one."""
-    if envs.get("GLOO_SOCKET_IFNAME"):
-        return
-    name = interface_of(node_ip)
-    if name is not None:
-        envs.set_gloo_socket_ifname(name)
-
-
-def interface_of(ip: str) -> str | None:
-    """The network interface whose IPv4 address is ``ip`` (Linux), or None."""
-    for _, name in socket.if_nameindex():
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:  # SIOCGIFADDR: the interface's address, a sockaddr_in at bytes 16..32
-                packed = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))
-            except OSError:  # no IPv4 address
-                continue
-        if socket.inet_ntoa(packed[20:24]) == ip:
-            return name
-    return None
 
 
 def _import_ray() -> Any:
@@ -207,6 +183,9 @@ class RayExecutor:
         result = self._call("execute_model", self._ray.put(sched), timeout=envs.executor_timeout_s())[0]
         assert isinstance(result, ModelRunnerOutput)
         return result
+
+    def check_health(self) -> None:
+        """Nothing between steps: Ray reports a dead actor at the next step's wait."""
 
     def shutdown(self) -> None:
         """Kill the actors, remove the placement group (idempotent)."""

@@ -33,5 +33,8 @@ class UniProcExecutor:
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(sched)
 
+    def check_health(self) -> None:
+        """The worker is this process: alive while we are."""
+
     def shutdown(self) -> None:
         """Nothing to stop: the worker lives and dies with this process."""

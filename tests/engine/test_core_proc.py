@@ -115,6 +115,9 @@ class BlockingCore:
     def add_request(self, request: Any) -> None:
         self.pending += 1
 
+    def check_health(self) -> None:
+        """No ranks to lose: the idle loop's check passes."""
+
     def step(self) -> EngineCoreOutputs:
         self.in_step.set()
         assert self.release.wait(10)
@@ -210,6 +213,29 @@ def test_a_failed_io_thread_fails_the_loop(front, monkeypatch):
     front.send(EngineCoreRequestType.UTILITY.value, (1, "ping", []))
     running.thread.join(10)
     assert isinstance(running.error, RuntimeError) and "input thread failed" in str(running.error)
+    running.proc.shutdown()
+
+
+class RankLostCore(BlockingCore):
+    """An idle engine whose executor lost a rank (another node died) after ``healthy`` checks."""
+
+    def __init__(self, healthy: int) -> None:
+        super().__init__()
+        self.checks, self.healthy = 0, healthy
+
+    def check_health(self) -> None:
+        self.checks += 1
+        if self.checks > self.healthy:
+            raise RuntimeError("worker rank 1 on node 1 is gone")
+
+
+def test_an_idle_loop_fails_when_a_rank_is_gone(front):
+    """No request needed: the idle loop checks the executor each time it wakes (every second)."""
+    running = Running(RankLostCore(healthy=1), front)
+    start = time.monotonic()
+    running.thread.join(10)
+    assert isinstance(running.error, RuntimeError) and "rank 1 on node 1" in str(running.error)
+    assert 0.5 < time.monotonic() - start < 5  # the second wake, not a busy poll
     running.proc.shutdown()
 
 

@@ -21,13 +21,5 @@ def test_unknown_backend_lists_the_choices():
         ParallelArgs(distributed_executor_backend="mpi").create_parallel_config()
 
 
-@pytest.mark.parametrize(
-    "kwargs", [dict(distributed_init_method="tcp://10.0.0.1:29500"), dict(nnodes=2), dict(node_rank=1)]
-)
-def test_multi_node_without_ray_is_refused_for_now(kwargs):
-    with pytest.raises(ValueError, match="not available yet: for several nodes use --distributed-executor-backend ray"):
-        ParallelArgs(**kwargs).create_parallel_config()
-
-
 def test_default_backend_is_mp():
     assert ParallelArgs(tensor_parallel_size=2).create_parallel_config().distributed_executor_backend == "mp"

@@ -202,6 +202,20 @@ def test_killed_worker_raises_naming_the_rank(llama_model_dir):
     assert not _shm_segments()  # unlinked once every rank attached
 
 
+def test_a_rank_that_dies_between_steps_is_noticed(llama_model_dir):
+    """The engine core's idle loop asks ``check_health()``: a dead rank raises without a request."""
+    llm = LLM(str(llama_model_dir), tensor_parallel_size=2, **ENGINE)
+    executor = llm.llm_engine.engine_core.executor
+    workers = _workers(llm)
+    executor.check_health()  # every rank alive: nothing to say
+    os.kill(workers[1].pid, signal.SIGKILL)
+    executor.procs[1].join(5)
+    with pytest.raises(WorkerDiedError, match=r"rank 1 .*during 'an idle wait' \(killed by signal 9\)"):
+        executor.check_health()
+    assert _all_gone(workers)  # the other rank is stopped too
+    llm.llm_engine.shutdown()
+
+
 def test_server_tp2_completion_matches_tp1(llama_model_dir):
     prompt = "the quick brown fox"
     ref = LLM(str(llama_model_dir), dtype="float32").generate(
