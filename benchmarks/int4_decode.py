@@ -57,7 +57,14 @@ def baseline_int4(rev: str) -> int4.LinearInt4:
     namespace = f"int4_baseline_{level}"
     flags = [f for f in compile_flags(level) if not f.startswith("-DPAGEDLLM_OPS=")] + [f"-DPAGEDLLM_OPS={namespace}"]
     sources = [str(folder / INT4_SOURCES[0])]
-    load(name=namespace, sources=sources, extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(folder))
+    load(
+        namespace,
+        sources,
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+    )
     return getattr(torch.ops, namespace).packed_linear_int4.default
 
 
