@@ -129,17 +129,11 @@ inline Vec load_u4(const uint8_t* p, int v) {
   if (v) b = _mm_srli_epi16(b, 4);
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))))};
 }
-// As on AVX-512 (a broadcast, a shift; here a mask and a conversion, no 16-entry lookup): lane
-// l = 2 m + p of vector v holds nibble v of byte 4 p + m, row 8 v + 4 p + m.
-inline Vec load_u4_lanes(const uint8_t* p, int v) {
-  int64_t bits;
-  std::memcpy(&bits, p, 8);
-  const __m256i shifts = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24), _mm256_set1_epi32(4 * v));
-  const __m256i q = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi64x(bits), shifts), _mm256_set1_epi32(15));
-  return {_mm256_cvtepi32_ps(q)};
-}
-inline Vec rows_to_u4(Vec a) { return {_mm256_permutevar8x32_ps(a.v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))}; }
-inline Vec u4_to_rows(Vec a) { return {_mm256_permutevar8x32_ps(a.v, _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7))}; }
+// Row order: the AVX-512 scheme (a broadcast and a shift, here plus a mask and a conversion)
+// measured no faster than load_u4 on AVX2 (benchmarks/int4_decode.py --baseline, Zen 4).
+inline Vec load_u4_lanes(const uint8_t* p, int v) { return load_u4(p, v); }
+inline Vec rows_to_u4(Vec a) { return a; }
+inline Vec u4_to_rows(Vec a) { return a; }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_NEON)
