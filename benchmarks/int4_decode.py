@@ -1,7 +1,7 @@
 """Decode-step linears in fp32, int8 and int4 on the same weights, with the int4 bandwidth floor.
 
     python -m benchmarks.int4_decode [--rows 1 4 8 16 64] [--reps 15] [--layers 30] [--group 64]
-                                     [--threads N] [--quiet 0.1]
+                                     [--threads N] [--quiet 0.1] [--baseline REV]
 
 A SmolLM2-135M-shaped model's transformer linears (per layer qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536; the LM head stays float32 in every format, so it is left out), called
@@ -10,6 +10,9 @@ formats run the engine's kernels on packed weights: fp32 (``packed_linear``), in
 (``packed_linear_int8``, per-channel scales) and int4 (``packed_linear_int4``, groups of
 ``--group`` inputs: 576 and 1536 are not multiples of 128, so the engine picks 64 here).
 Methods alternate each rep (as in ``benchmarks.cpu_gemv``) and medians are reported.
+``--baseline REV`` adds ``int4@REV``: the int4 kernel's source (and the headers it includes) as of
+git revision REV, built on its own at the engine's ISA level, in the same rotation on the same
+weights, for a before / after comparison in one process.
 
 The int4 floor: the bytes a step must read (packed nibbles + per-group float32 scale and zero)
 over the machine's read bandwidth measured in the same run; "of floor" is floor / measured time.
@@ -21,8 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -30,13 +36,41 @@ from benchmarks.cpu_gemv import SHAPES, wait_for_quiet
 from pagedllm import cpu_info
 from pagedllm.entrypoints.bench.machine import measure_limits
 from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, pack_weight
+from pagedllm.layers.cpu_kernels import compile_flags, selected_isa
 from pagedllm.layers.quantization import int4, int8
 
 Call = Callable[[torch.Tensor], torch.Tensor]
+# The int4 kernel's source and the headers it includes (as of this revision).
+INT4_SOURCES = ("cpu_gemm_int4.cpp", "cpu_vec.h", "cpu_gemm_common.h", "cpu_kernels.h")
 
 
-def formats(w: torch.Tensor, group: int) -> dict[str, tuple[Call, int]]:
-    """Each format's call for weight ``w`` and the bytes it reads."""
+def baseline_int4(rev: str) -> int4.LinearInt4:
+    """``packed_linear_int4`` built from git revision ``rev``'s sources (registered under its own
+    op namespace, beside the engine's build)."""
+    from torch.utils.cpp_extension import load
+
+    level = selected_isa()
+    folder = Path(tempfile.mkdtemp(prefix="int4-baseline-"))
+    for name in INT4_SOURCES:
+        show = ["git", "show", f"{rev}:pagedllm/csrc/{name}"]
+        (folder / name).write_text(subprocess.run(show, check=True, capture_output=True, text=True).stdout)
+    namespace = f"int4_baseline_{level}"
+    flags = [f for f in compile_flags(level) if not f.startswith("-DPAGEDLLM_OPS=")] + [f"-DPAGEDLLM_OPS={namespace}"]
+    sources = [str(folder / INT4_SOURCES[0])]
+    load(
+        namespace,
+        sources,
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(folder),
+        is_python_module=False,
+    )
+    return getattr(torch.ops, namespace).packed_linear_int4.default
+
+
+def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4]) -> dict[str, tuple[Call, int]]:
+    """Each format's call for weight ``w`` and the bytes it reads (``extra_int4``: more int4
+    kernels by name, on the same packed weights)."""
     fp32_op, int8_op, int4_op = load_cpu_gemm(), int8.load_int8_gemm(), int4.load_int4_gemm()
     if fp32_op is None or int8_op is None or int4_op is None:
         raise SystemExit("the CPU kernels did not build (or PAGEDLLM_CPU_KERNELS=0)")
@@ -44,17 +78,27 @@ def formats(w: torch.Tensor, group: int) -> dict[str, tuple[Call, int]]:
     q8, s8 = int8.quantize_and_pack(w)
     q, scale, zero = int4.quantize_groupwise(w, group)
     p4, s4, z4 = int4.pack_int4(q), int4.pack_groups(scale), int4.pack_groups(zero)
+    int4_bytes = p4.nbytes + s4.nbytes + z4.nbytes
+
+    def int4_call(op: int4.LinearInt4) -> Call:
+        return lambda x: op(x, p4, s4, z4, None, group)
+
     return {
         "fp32": (lambda x: fp32_op(x, packed, None), packed.nbytes),
         "int8": (lambda x: int8_op(x, q8, s8, None), q8.nbytes + s8.nbytes),
-        "int4": (lambda x: int4_op(x, p4, s4, z4, None, group), p4.nbytes + s4.nbytes + z4.nbytes),
+        "int4": (int4_call(int4_op), int4_bytes),
+        **{name: (int4_call(op), int4_bytes) for name, op in extra_int4.items()},
     }
 
 
-def build(layers: int, group: int, seed: int) -> list[tuple[int, dict[str, tuple[Call, int]]]]:
+def build(
+    layers: int, group: int, seed: int, extra_int4: dict[str, int4.LinearInt4]
+) -> list[tuple[int, dict[str, tuple[Call, int]]]]:
     gen = torch.Generator().manual_seed(seed)
     return [
-        (k, formats(torch.randn(n, k, generator=gen) * 0.02, group)) for _ in range(layers) for n, k in SHAPES.values()
+        (k, formats(torch.randn(n, k, generator=gen) * 0.02, group, extra_int4))
+        for _ in range(layers)
+        for n, k in SHAPES.values()
     ]
 
 
@@ -68,11 +112,12 @@ def step_seconds(method: str, calls: list, xs: dict[int, torch.Tensor]) -> float
 def bench_rows(rows: int, calls: list, reps: int, quiet: float) -> dict[str, float]:
     """Median seconds per step per format at ``rows`` rows, formats rotated each rep."""
     xs = {k: torch.randn(rows, k) for k in {576, 1536}}
-    names = ["fp32", "int8", "int4"]
+    names = list(calls[0][1])
     samples: dict[str, list[float]] = {m: [] for m in names}
     for rep in range(reps + 1):
         wait_for_quiet(quiet)
-        for method in names[rep % 3 :] + names[: rep % 3]:
+        shift = rep % len(names)
+        for method in names[shift:] + names[:shift]:
             seconds = step_seconds(method, calls, xs)
             if rep:  # rep 0 warms up
                 samples[method].append(seconds)
@@ -88,11 +133,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", type=float, default=0.1, help="start each rep once others use under this CPU share")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--baseline", metavar="REV", help="also time the int4 kernel of this git revision")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    extra = {f"int4@{args.baseline}": baseline_int4(args.baseline)} if args.baseline else {}
     limits = measure_limits(copy_mib=256)
-    calls = build(args.layers, args.group, args.seed)
+    calls = build(args.layers, args.group, args.seed, extra)
     nbytes = {m: sum(by_format[m][1] for _, by_format in calls) for m in ("fp32", "int8", "int4")}
     floor_s = nbytes["int4"] / (limits.read_gbps * 1e9)
     print(
@@ -104,10 +151,11 @@ def main() -> None:
     for rows in args.rows:
         med = bench_rows(rows, calls, args.reps, args.quiet)
         results[rows] = med
+        floors = ", ".join(f"{m} {floor_s / t:.0%}" for m, t in med.items() if m.startswith("int4"))
         print(
             f"M={rows:<4} "
             + " | ".join(f"{m} {t * 1e3:7.2f} ms x{med['fp32'] / t:4.2f}" for m, t in med.items())
-            + f" | int4 at {floor_s / med['int4']:.0%} of its bandwidth floor"
+            + f" | of the int4 bandwidth floor: {floors}"
         )
     print(json.dumps({"read_gbps": limits.read_gbps, "bytes": nbytes, "floor_s": floor_s, "median_s": results}))
 

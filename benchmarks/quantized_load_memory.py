@@ -1,13 +1,13 @@
-"""Peak memory while loading a bf16 checkpoint with ``--quantization int8``, streamed or not.
+"""Peak memory while loading a bf16 checkpoint with ``--quantization int8`` / ``int4``, streamed or not.
 
-    python -m benchmarks.quantized_load_memory [--shape llama-3.2-3b] [--shard-gib 2]
+    python -m benchmarks.quantized_load_memory [--shape llama-3.2-3b] [--shard-gib 2] [--methods int8 int4]
 
 Writes a checkpoint of the given shape (random bf16 weights, in safetensors shards like a Hugging
-Face upload) once, then loads it in a fresh process per mode and reads the process's memory:
+Face upload) once, then loads it in a fresh process per method and mode and reads the process's memory:
 
-- ``int8, streamed``: the linears are int8 from construction; each float tensor is quantized as
-  it arrives (``Int8Config.quantize_on_load``);
-- ``int8, after loading``: the old road, a float32 model first, quantized once loaded.
+- ``streamed``: the linears are quantized (int8, or packed int4 nibbles) from construction; each
+  float tensor is quantized as it arrives (the format's ``quantize_on_load``);
+- ``after loading``: the old road, a float32 model first, quantized once loaded.
 
 For each: the final size of the weights as held (``worker.weight_bytes``), the peak anonymous
 memory (sampled every 5 ms from /proc/self/status: the process's own allocations) and the kernel's
@@ -93,18 +93,18 @@ def status_kib(field: str) -> int:
     return 0
 
 
-def measure(model_dir: str, streamed: bool) -> dict[str, float]:
-    """In this (fresh) process: load the model and report its memory."""
+def measure(model_dir: str, method: str, streamed: bool) -> dict[str, float]:
+    """In this (fresh) process: load the model with ``method`` and report its memory."""
     import torch
 
     from pagedllm.config import EngineArgs
-    from pagedllm.layers.quantization.int8 import Int8Config
+    from pagedllm.layers.quantization import QUANTIZATION_CONFIGS
     from pagedllm.models.loader import load_model
     from pagedllm.worker.worker import weight_bytes
 
     if not streamed:
-        Int8Config.quantize_on_load = None  # the old road: quantize after loading
-    arch = EngineArgs(model=model_dir, quantization="int8").create_engine_config().model_config.arch
+        QUANTIZATION_CONFIGS[method].quantize_on_load = None  # the old road: quantize after loading
+    arch = EngineArgs(model=model_dir, quantization=method).create_engine_config().model_config.arch
     peak_anon, done = [status_kib("RssAnon")], threading.Event()
 
     def sample() -> None:
@@ -115,7 +115,7 @@ def measure(model_dir: str, streamed: bool) -> dict[str, float]:
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
     start = time.perf_counter()
-    model = load_model(model_dir, arch, dtype=torch.float32, device=torch.device("cpu"), quantization="int8")
+    model = load_model(model_dir, arch, dtype=torch.float32, device=torch.device("cpu"), quantization=method)
     seconds = time.perf_counter() - start
     done.set()
     sampler.join()
@@ -131,10 +131,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3.2-3b")
     p.add_argument("--shard-gib", type=float, default=2.0)
-    p.add_argument("--measure", nargs=2, metavar=("DIR", "MODE"), help=argparse.SUPPRESS)  # the child's job
+    p.add_argument("--methods", nargs="+", choices=["int8", "int4"], default=["int8", "int4"])
+    p.add_argument("--measure", nargs=3, metavar=("DIR", "METHOD", "MODE"), help=argparse.SUPPRESS)  # a child's job
     args = p.parse_args()
     if args.measure:
-        print(json.dumps(measure(args.measure[0], args.measure[1] == "streamed")))
+        print(json.dumps(measure(args.measure[0], args.measure[1], args.measure[2] == "streamed")))
         return
     from pagedllm.entrypoints.bench.common import env_line, environment
 
@@ -142,17 +143,27 @@ def main() -> None:
         model_dir = write_checkpoint(Path(tmp) / "model", SHAPES[args.shape], int(args.shard_gib * GiB))
         on_disk = sum(f.stat().st_size for f in model_dir.glob("*.safetensors")) / GiB
         rows = {}
-        for mode in ("streamed", "after loading"):
-            cmd = [sys.executable, "-m", "benchmarks.quantized_load_memory", "--measure", str(model_dir), mode]
-            rows[mode] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+        for method in args.methods:
+            for mode in ("streamed", "after loading"):
+                cmd = [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.quantized_load_memory",
+                    "--measure",
+                    str(model_dir),
+                    method,
+                    mode,
+                ]
+                out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+                rows[f"{method}, {mode}"] = json.loads(out.strip().splitlines()[-1])
     print(env_line(environment()))
-    print(f"{args.shape}: bf16 checkpoint {on_disk:.2f} GiB in {args.shard_gib:g} GiB shards; --quantization int8")
-    print("| mode | weights held GiB | peak anonymous GiB | vs weights | VmHWM GiB | load s |")
+    print(f"{args.shape}: bf16 checkpoint {on_disk:.2f} GiB in {args.shard_gib:g} GiB shards")
+    print("| --quantization, mode | weights held GiB | peak anonymous GiB | vs weights | VmHWM GiB | load s |")
     print("|---|---|---|---|---|---|")
-    for mode, r in rows.items():
+    for name, r in rows.items():
         ratio = r["peak_anon_gib"] / r["weights_gib"]
         print(
-            f"| int8, {mode} | {r['weights_gib']:.2f} | {r['peak_anon_gib']:.2f} | {ratio:.2f} | "
+            f"| {name} | {r['weights_gib']:.2f} | {r['peak_anon_gib']:.2f} | {ratio:.2f} | "
             f"{r['vm_hwm_gib']:.2f} | {r['seconds']:.1f} |"
         )
 

@@ -12,7 +12,11 @@
 // - Fewer than 16 rows (decode): the fused tile. Per group it sums x[m, k] * q[n, k] over the group's k in
 //   registers (the weights are widened to floats as they are loaded, never stored), then folds
 //   the group in: acc += s * (sum - z * sum_k x[m, k]) (the x sums per group are computed once
-//   per call). Each packed byte is read once per row tile.
+//   per call). Each packed byte is read once per row tile. The widening is the tile's main
+//   work besides the FMAs, so it uses cpu_vec.h's load_u4_lanes, which leaves the 16 values of a
+//   step in whatever lane order is cheapest for the ISA (AVX-512: a broadcast, a shift and a
+//   16-entry table lookup, no int-to-float conversion); the group's scales and zeros are put in
+//   that order (rows_to_u4) and the finished sums back in row order (u4_to_rows).
 // - 16 rows and more (prefill, big batches): compute-bound, so the vector work of unpacking must not be
 //   paid per row. Each thread dequantizes a group of 4 panels into a small fp32 buffer in the fp32
 //   kernel's layout (exactly (q - z) * s) and runs the fp32 micro-kernel (cpu_gemm_common.h) on it
@@ -87,7 +91,7 @@ void fused_tile(const Int4Problem& pr, int64_t m0, int64_t p0) {
       for (int i = 0; i < MR; ++i) xv[i] = broadcast(x[i * pr.ldx + k]);
 #pragma GCC unroll 16
       for (int v = 0; v < V; ++v) {
-        const Vec wv = load_u4(w + (v / kPanelVecs) * panel_bytes + k * kBytesPerStep, v % kPanelVecs);
+        const Vec wv = load_u4_lanes(w + (v / kPanelVecs) * panel_bytes + k * kBytesPerStep, v % kPanelVecs);
 #pragma GCC unroll 16
         for (int i = 0; i < MR; ++i) part[i][v] = fmadd(xv[i], wv, part[i][v]);
       }
@@ -95,7 +99,7 @@ void fused_tile(const Int4Problem& pr, int64_t m0, int64_t p0) {
 #pragma GCC unroll 16
     for (int v = 0; v < V; ++v) {
       const int64_t at = (p0 + v / kPanelVecs) * panel_groups + g * kLanes + (v % kPanelVecs) * kWidth;
-      const Vec s = load(pr.scale + at), z = load(pr.zero + at);
+      const Vec s = rows_to_u4(load(pr.scale + at)), z = rows_to_u4(load(pr.zero + at));
 #pragma GCC unroll 16
       for (int i = 0; i < MR; ++i) {
         const Vec t = fmadd(z, broadcast(-pr.xsum[(m0 + i) * groups + g]), part[i][v]);
@@ -108,7 +112,7 @@ void fused_tile(const Int4Problem& pr, int64_t m0, int64_t p0) {
     const int64_t n = p0 * kLanes + v * kWidth;
     const Vec b = pr.bias ? load(pr.bias + n) : zero();
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) store(pr.y + (m0 + i) * pr.ldy + n, acc[i][v] + b);
+    for (int i = 0; i < MR; ++i) store(pr.y + (m0 + i) * pr.ldy + n, u4_to_rows(acc[i][v]) + b);
   }
 }
 

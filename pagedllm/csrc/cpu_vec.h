@@ -65,6 +65,25 @@ inline Vec load_u4(const uint8_t* p, int) {
   const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
   return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)))};
 }
+// load_u4 in "nibble order", for the int4 decode tile, which sums in that order: the 8 bytes
+// broadcast to every 64-bit lane, one variable shift brings lane l's nibble to its low 4 bits and
+// one 16-entry table lookup (vpermps reads only those 4 bits) makes it a float: 2 instructions
+// besides the load, where load_u4 needs 6. Lane l = 2 m + p holds nibble m / 4 of byte
+// 4 p + m % 4, i.e. row 4 p + m % 4 + 8 (m / 4); rows_to_u4 / u4_to_rows convert a row-ordered
+// vector (scales, zeros, sums) to and from that order.
+inline Vec load_u4_lanes(const uint8_t* p, int) {
+  int64_t bits;
+  std::memcpy(&bits, p, 8);
+  const __m512i shifts = _mm512_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24, 4, 4, 12, 12, 20, 20, 28, 28);
+  const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return {_mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(bits), shifts), values)};
+}
+inline Vec rows_to_u4(Vec a) {
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), a.v)};
+}
+inline Vec u4_to_rows(Vec a) {
+  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15), a.v)};
+}
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_AVX2)
@@ -110,6 +129,11 @@ inline Vec load_u4(const uint8_t* p, int v) {
   if (v) b = _mm_srli_epi16(b, 4);
   return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))))};
 }
+// Row order: the AVX-512 scheme (a broadcast and a shift, here plus a mask and a conversion)
+// measured no faster than load_u4 on AVX2 (benchmarks/int4_decode.py --baseline, Zen 4).
+inline Vec load_u4_lanes(const uint8_t* p, int v) { return load_u4(p, v); }
+inline Vec rows_to_u4(Vec a) { return a; }
+inline Vec u4_to_rows(Vec a) { return a; }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_NEON)
@@ -149,6 +173,10 @@ inline Vec load_u4(const uint8_t* p, int v) {
   b = (v & 2) ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(0x0F));
   return {vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))))};
 }
+// Nibble order is row order here (see the AVX-512 backend).
+inline Vec load_u4_lanes(const uint8_t* p, int v) { return load_u4(p, v); }
+inline Vec rows_to_u4(Vec a) { return a; }
+inline Vec u4_to_rows(Vec a) { return a; }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #else
@@ -189,6 +217,9 @@ inline Vec load_u4(const uint8_t* p, int v) {  // as on NEON
   const int s = (v & 2) ? 4 : 0;
   return {F4{float((b[0] >> s) & 15), float((b[1] >> s) & 15), float((b[2] >> s) & 15), float((b[3] >> s) & 15)}};
 }
+inline Vec load_u4_lanes(const uint8_t* p, int v) { return load_u4(p, v); }  // row order, as on NEON
+inline Vec rows_to_u4(Vec a) { return a; }
+inline Vec u4_to_rows(Vec a) { return a; }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif
 

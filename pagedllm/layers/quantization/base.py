@@ -60,13 +60,29 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
         setattr(param, key, value)
 
 
+class QuantizesOnLoad(LinearMethodBase):
+    """A method that quantizes a float weight (int8, w8a8, int4) and can do it as a checkpoint's
+    tensors stream in, so no float copy of the layer is ever allocated (``prequantized.QuantizeOnLoad``)."""
+
+    @abstractmethod
+    def can_take(self, w: torch.Tensor) -> bool:
+        """Whether the format's kernel takes the float weight ``w`` [out, in] (a stand-in of its
+        shape, dtype and device may come: read no values)."""
+
+    @abstractmethod
+    def on_load_method(self) -> LinearMethodBase:
+        """A method whose parameters hold the quantized form from construction and whose loader
+        quantizes each float tensor (or fused shard) on arrival; after loading it hands the layer
+        to this method (``layer.quant_method = self``) exactly as quantizing after loading would."""
+
+
 class QuantizationConfig(ABC):
     """A weight format: which method each linear layer and LM head gets."""
 
     name: ClassVar[str]
-    # The per-channel int8 method that quantizes each float tensor of a checkpoint as it streams
-    # in (``prequantized.for_checkpoint``); None: the format converts after loading, if at all.
-    quantize_on_load: ClassVar[type[LinearMethodBase] | None] = None
+    # The method that quantizes each float tensor of a checkpoint as it streams in
+    # (``prequantized.for_checkpoint``); None: the format converts after loading, if at all.
+    quantize_on_load: ClassVar[type[QuantizesOnLoad] | None] = None
 
     @abstractmethod
     def get_linear_method(self) -> LinearMethodBase:

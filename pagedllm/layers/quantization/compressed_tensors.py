@@ -16,8 +16,9 @@ What loads, and on which CPU method:
 
 Symmetric int8 per channel loads exactly (its Q and scales are the kernel's); every other int8
 scheme (groups, blocks, a zero point, which folds into the float weight) is dequantized per layer
-and requantized per output channel. Symmetric 4-bit weights with float activations (W4A16
-``pack-quantized``, group or channel) run on the int4 kernel instead (``compressed_int4.py``).
+and requantized per output channel. 4-bit weights with float activations (W4A16
+``pack-quantized``, group or channel, symmetric or with zero points) run on the int4 kernel
+instead (``compressed_int4.py``).
 """
 
 from __future__ import annotations
@@ -144,10 +145,6 @@ def _int4_group(weights: dict[str, Any]) -> int:
     strategy = weights.get("strategy", "tensor")
     if weights.get("actorder"):
         raise ValueError(f"{_WHERE}: activation-ordered 4-bit groups (actorder) are not supported")
-    if not weights.get("symmetric", True):
-        raise ValueError(
-            f"{_WHERE}: asymmetric 4-bit weights (weight_zero_point) are not supported; symmetric W4A16 is"
-        )
     if strategy == "channel":
         return -1
     group = weights.get("group_size")
@@ -173,7 +170,7 @@ def parse_compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
     weights, activations, fmt = _single_scheme(config)
     if _is_w4a16(weights, activations, fmt):
         _check_w4a16(config, fmt)
-        return CompressedInt4Config(_int4_group(weights))
+        return CompressedInt4Config(_int4_group(weights), bool(weights.get("symmetric", True)))
     _check_weights(weights, fmt)
     if weights.get("type", "int") == "int" and activations is not None and activations.get("type", "int") == "int":
         target: type[PerChannelInt8Method] = W8A8LinearMethod

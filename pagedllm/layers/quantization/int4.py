@@ -6,11 +6,14 @@ float32). One weight is W[n, k] = (q[n, k] - z[n, g]) * s[n, g]: q in 0..15, g =
 scale and one (integral) zero point per output row and group of G inputs along K (128 by default).
 Activations stay float32; the kernel (``csrc/cpu_gemm_int4.cpp``) widens the nibbles in registers.
 
-A float checkpoint is quantized per layer after loading (``quantize_groupwise``: min/max of
-each group, zero included in the range so that 0 is exact and a constant group needs no special
-case). Checkpoint formats hand ``finish_int4`` their integer weights, zeros and scales instead.
-A layer the kernel cannot take (out_features % 16, no kernel build) keeps a float weight, the
-dequantized one for a checkpoint, with a warning. The LM head stays float (as for int8).
+A float weight is quantized group-wise (``quantize_groupwise``: min/max of each group, zero
+included in the range so that 0 is exact and a constant group needs no special case). From a
+checkpoint that happens as each tensor streams in (``Int4Config.quantize_on_load``,
+:class:`Int4OnLoadMethod`): the layer holds packed nibbles from construction, so no float32 copy
+of the model exists; random (``dummy``) weights are quantized after filling. Checkpoint formats
+hand ``finish_int4`` their integer weights, zeros and scales instead.
+A layer the kernel cannot take (out_features % 16, no kernel build) keeps a float32 weight,
+the dequantized one for a checkpoint, with a warning. The LM head stays float32 (as for int8).
 
 On a CUDA device the same integer weights are held in the CUDA layout instead and run the Triton
 kernel (``triton_layout.py``): any out_features, float16 / bfloat16 / float32 activations.
@@ -26,11 +29,19 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL
+from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization import triton_layout
-from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
+from pagedllm.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizesOnLoad,
+    WeightLoader,
+    create_dense_weight,
+    set_weight_attrs,
+)
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagedllm.layers.sharding import ShardId
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +107,18 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     panels, k, _ = packed.shape
     by_row = packed.transpose(1, 2)
     return torch.stack([by_row & 15, by_row >> 4], dim=1).reshape(panels * PANEL, k)
+
+
+def pack_pairs(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] (0..15, K even) -> [N, K / 2] uint8, inputs 2 i and 2 i + 1 in byte i's low and
+    high nibble: the loading layout, which the layers' loaders cut like a dense weight."""
+    q = q.to(torch.uint8)
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_pairs(pairs: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_pairs`` (a new [N, K] uint8 tensor)."""
+    return torch.stack([pairs & 15, pairs >> 4], dim=2).reshape(pairs.shape[0], -1)
 
 
 def pack_groups(t: torch.Tensor) -> torch.Tensor:
@@ -186,8 +209,9 @@ class Int4KernelMethod(LinearMethodBase):
         return self._kernel(x, typed.weight, typed.weight_scale, typed.weight_zero, bias, self.group_size)
 
 
-class Int4LinearMethod(Int4KernelMethod):
-    """Loads the float checkpoint weight, then quantizes it group-wise (``quantize_groupwise``)."""
+class Int4LinearMethod(Int4KernelMethod, QuantizesOnLoad):
+    """Loads the float checkpoint weight, then quantizes it group-wise (``quantize_groupwise``);
+    from a checkpoint :class:`Int4OnLoadMethod` quantizes each tensor as it arrives instead."""
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE) -> None:
         super().__init__()
@@ -206,6 +230,12 @@ class Int4LinearMethod(Int4KernelMethod):
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
         layer.register_buffer("weight_perm", None, persistent=False)
 
+    def can_take(self, w: torch.Tensor) -> bool:
+        return packable(w) and load_int4_gemm() is not None
+
+    def on_load_method(self) -> LinearMethodBase:
+        return Int4OnLoadMethod(self)
+
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.quantized:
             return
@@ -218,10 +248,57 @@ class Int4LinearMethod(Int4KernelMethod):
         self.quantized = True
 
 
+class Int4OnLoadMethod(LinearMethodBase):
+    """``target``'s layer while a float checkpoint streams in: ``weight`` [out, in / 2] uint8
+    (``pack_pairs``) with ``weight_scale`` / ``weight_zero`` [out, in / G] float32, each float
+    tensor (or fused shard) quantized on arrival and cut to this rank's part by the layer's loader
+    (the group size is the shard's, so groups never straddle a tensor-parallel cut and the codes
+    equal quantizing the shard after loading). After loading, ``target`` repacks them for its kernel."""
+
+    def __init__(self, target: Int4LinearMethod) -> None:
+        self.target = target
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        group = self.target.group_size = choose_group_size(input_size, self.target.preferred_group)
+        out = sum(output_sizes)
+        weight = nn.Parameter(torch.empty(out, input_size // 2, dtype=torch.uint8), requires_grad=False)
+        for name in ("weight_scale", "weight_zero"):
+            per_group = torch.empty(out, input_size // group, dtype=torch.float32)
+            set_weight_attrs(per_group, output_dim=0, input_dim=1)  # type: ignore[arg-type]  # a buffer, read by the loaders
+            layer.register_buffer(name, per_group, persistent=False)
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            q, scale, zero = quantize_groupwise(loaded, group)
+            weight_loader(param, pack_pairs(q), shard_id)
+            weight_loader(layer.weight_scale, scale, shard_id)
+            weight_loader(layer.weight_zero, zero, shard_id)
+
+        set_weight_attrs(weight, output_dim=0, input_dim=1, packed_dim=1, pack_factor=2, weight_loader=load)
+        layer.register_parameter("weight", weight)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        typed = cast(_Int4Layer, layer)
+        q, scale, zero = unpack_pairs(typed.weight.data), typed.weight_scale, cast(torch.Tensor, typed.weight_zero)
+        self.target.finish_int4(layer, q, scale, zero, None)
+        self.target.quantized = True
+        typed.quant_method = self.target
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise RuntimeError("an int4 layer runs only after its quant_method.process_weights_after_loading")
+
+
 class Int4Config(QuantizationConfig):
     """Group-wise int4 for the transformer's linears (a float checkpoint); the LM head stays float."""
 
     name = "int4"
+    quantize_on_load = Int4LinearMethod
 
     def get_linear_method(self) -> LinearMethodBase:
         return Int4LinearMethod()

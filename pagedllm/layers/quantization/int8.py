@@ -34,7 +34,13 @@ from torch import nn
 from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization import triton_layout
-from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
+from pagedllm.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizesOnLoad,
+    WeightLoader,
+    create_dense_weight,
+)
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
@@ -120,7 +126,7 @@ def _not_quantized_yet(
     raise RuntimeError("an int8 layer runs only after its quant_method.process_weights_after_loading")
 
 
-class PerChannelInt8Method(LinearMethodBase):
+class PerChannelInt8Method(QuantizesOnLoad):
     """What the int8 formats share: the float checkpoint weight is loaded as is, then quantized
     per output channel (``quantize_per_channel``) by ``quantize``, once. A weight ``can_take``
     refuses (not CPU float32, out % 16, no kernel) keeps a float layout: the layer's method becomes
@@ -143,9 +149,12 @@ class PerChannelInt8Method(LinearMethodBase):
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
         layer.register_buffer("weight_scale", None, persistent=False)
 
-    @abstractmethod
-    def can_take(self, w: torch.Tensor) -> bool:
-        """Whether the format's kernel takes the float weight ``w`` [out, in]."""
+    def on_load_method(self) -> LinearMethodBase:
+        """int8 parameters each float tensor is quantized into per output channel on arrival."""
+        # prequantized.py builds on this module, so it is imported here, when first used.
+        from pagedllm.layers.quantization.prequantized import PrequantizedInt8Method
+
+        return PrequantizedInt8Method(self)
 
     @abstractmethod
     def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:

@@ -16,11 +16,12 @@ int8 tensor carrying its scales. A linear layer the checkpoint left in float (it
 quantized per channel on arrival, as ``--quantization int8`` would. The LM head stays float32
 (:class:`DequantizingHeadMethod` widens it, should a checkpoint have quantized it).
 
-``--quantization int8`` / ``w8a8`` on a float checkpoint take the same road
-(:class:`QuantizeOnLoad`): each linear whose kernel takes its shape gets int8 parameters, and each
-float tensor is quantized per output channel as it streams in (a row's scale is its own, so
-quantizing a fused layer's shards one by one gives the same Q and scales as the whole weight), so
-loading peaks at about the quantized model plus one float tensor instead of the float32 model.
+``--quantization int8`` / ``w8a8`` / ``int4`` on a float checkpoint take the same road
+(:class:`QuantizeOnLoad`): each linear whose kernel takes its shape gets quantized parameters
+from construction (the method's ``on_load_method``: int8 here, packed int4 in ``int4.py``), and
+each float tensor is quantized as it streams in (a row's scale, or a row's group's, is its own, so
+quantizing a fused layer's shards one by one gives the same codes and scales as the whole weight),
+so loading peaks at about the quantized model plus one float tensor instead of the float32 model.
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from typing import cast
 import torch
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
+from pagedllm.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    QuantizesOnLoad,
+    WeightLoader,
+    set_weight_attrs,
+)
 from pagedllm.layers.quantization.int8 import Int8Layer, Int8LinearMethod, PerChannelInt8Method, quantize_per_channel
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.layers.sharding import ShardId
@@ -242,11 +249,12 @@ class PrequantizedConfig(QuantizationConfig):
 
 
 class QuantizeOnLoadMethod(LinearMethodBase):
-    """A float checkpoint's linear for ``target`` (int8 weight-only or w8a8): int8 parameters
-    filled as the float tensors stream in when the target's kernel takes the layer's shape;
-    otherwise the target as it is (loads float, keeps it float with its warning)."""
+    """A float checkpoint's linear for ``target`` (int8, w8a8, int4): the target's
+    ``on_load_method`` (quantized parameters filled as the float tensors stream in) when its kernel
+    takes the layer's shape; otherwise the target as it is (loads float, keeps it float with its
+    warning)."""
 
-    def __init__(self, target: PerChannelInt8Method) -> None:
+    def __init__(self, target: QuantizesOnLoad) -> None:
         self.target = target
         self.inner: LinearMethodBase = target
 
@@ -261,7 +269,7 @@ class QuantizeOnLoadMethod(LinearMethodBase):
         # A stand-in of the weight's shape, dtype and device (no memory) for the kernel check.
         shape = (sum(output_sizes), input_size)
         if self.target.can_take(torch.empty((1, 1), dtype=params_dtype).expand(shape)):
-            self.inner = PrequantizedInt8Method(self.target)
+            self.inner = self.target.on_load_method()
         self.inner.create_weights(layer, input_size, output_sizes, params_dtype, weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
@@ -272,9 +280,9 @@ class QuantizeOnLoadMethod(LinearMethodBase):
 
 
 class QuantizeOnLoad(QuantizationConfig):
-    """``base`` (``int8`` / ``w8a8``) for a model whose float weights come from a checkpoint."""
+    """``base`` (``int8`` / ``w8a8`` / ``int4``) for a model whose float weights come from a checkpoint."""
 
-    def __init__(self, base: QuantizationConfig, target: type[PerChannelInt8Method]) -> None:
+    def __init__(self, base: QuantizationConfig, target: type[QuantizesOnLoad]) -> None:
         self.base, self.target = base, target
         self.name = base.name  # type: ignore[misc]  # the format is still the base's
 
@@ -287,9 +295,7 @@ class QuantizeOnLoad(QuantizationConfig):
 
 def for_checkpoint(config: QuantizationConfig) -> QuantizationConfig:
     """The format to build a model with when its weights come from a checkpoint: one whose
-    ``quantize_on_load`` names a per-channel int8 method quantizes each float tensor as it
-    streams in (:class:`QuantizeOnLoad`); any other as it is."""
+    ``quantize_on_load`` names a method quantizes each float tensor as it streams in
+    (:class:`QuantizeOnLoad`); any other as it is."""
     target = config.quantize_on_load
-    if target is None or not issubclass(target, PerChannelInt8Method):
-        return config
-    return QuantizeOnLoad(config, target)
+    return config if target is None else QuantizeOnLoad(config, target)
