@@ -1,5 +1,6 @@
-"""Write a Llama-family HF model (random or loaded weights) as a GGUF file for llama.cpp (float32,
-or quantized for the GGUF loader's tests).
+"""Write a Llama-family HF model (random or loaded weights) as a GGUF file for llama.cpp: float32,
+or its matrices quantized by ``gguf.quants`` (Q8_0 / Q4_0 for the quantized baselines and the GGUF
+loader's tests).
 
 A minimal version of llama.cpp's ``convert_hf_to_gguf.py`` for the llama architecture: the
 ``llama.*`` hyper-parameters, tensors under llama.cpp's names (q/k rows permuted from HF's
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+SAME = "same"  # write_gguf's head_quant: the LM head matrix takes the others' type
 
 # HF (per layer, after "model.layers.N.") -> GGUF (after "blk.N.")
 _LAYER_NAMES = {
@@ -69,7 +72,7 @@ def gguf_tensors(
         yield f"blk.{parts[2]}.{_LAYER_NAMES[rest]}", array
 
 
-def _add_hparams(writer: Any, config: dict[str, Any]) -> None:
+def _add_hparams(writer: Any, config: dict[str, Any], quant: str | None) -> None:
     import gguf
 
     heads = config["num_attention_heads"]
@@ -88,7 +91,7 @@ def _add_hparams(writer: Any, config: dict[str, Any]) -> None:
     writer.add_rope_freq_base(float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0))
     writer.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(gguf.LlamaFileType[f"MOSTLY_{quant}"] if quant else gguf.LlamaFileType.ALL_F32)
 
 
 def _add_dummy_vocab(writer: Any, config: dict[str, Any]) -> None:
@@ -127,18 +130,29 @@ def _token_id(value: Any, default: int) -> int:
 
 
 def write_gguf(
-    state: dict[str, Any], config: dict[str, Any], path: Path, quant: str | None = None, arch: str = "llama"
+    state: dict[str, Any],
+    config: dict[str, Any],
+    path: Path,
+    quant: str | None = None,
+    arch: str = "llama",
+    head_quant: str | None = SAME,
 ) -> Path:
     """Write ``state`` (an HF Llama or Qwen2 state dict) with ``config`` (its config.json dict) to
     ``path``; ``quant`` (a GGML type name such as "Q8_0" or "Q4_0") quantizes every matrix whose
-    rows fit its blocks, the rest stays float32."""
+    rows fit its blocks, the rest stays float32. ``head_quant``: the type of the LM head matrix
+    (``output.weight``, or ``token_embd.weight`` when the embeddings are tied): the same as the
+    others (default), None for float32, or a GGML type name (llama.cpp's ``llama-quantize`` keeps
+    it at Q8_0 or Q6_K in its 4-bit types)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
-    _add_hparams(writer, config)
+    _add_hparams(writer, config, quant)
     _add_dummy_vocab(writer, config)
+    untied = "lm_head.weight" in state and not config.get("tie_word_embeddings")
+    head = "output.weight" if untied else "token_embd.weight"
     for name, array in gguf_tensors(state, config, permute=arch == "llama"):
-        _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), quant)
+        tensor_quant = quant if head_quant == SAME or name != head else head_quant
+        _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), tensor_quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -8,6 +8,7 @@ each has its first token, run warm-up steps, then time each of K pure decode ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import random
 import statistics
@@ -15,7 +16,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pagedllm.entrypoints.bench import common, machine
+from pagedllm.config.choices import canonical_dtype
+from pagedllm.entrypoints.bench import common, llama_cpp, machine
 from pagedllm.entrypoints.bench.engine_probe import EngineProbe
 
 
@@ -33,6 +35,7 @@ class Measurement:
     floor_s: float
     core_s: float | None = None  # pagedllm: EngineCore.step
     model_s: float | None = None  # pagedllm: forward + LM head inside it
+    weights: str = ""  # what the system computes with, e.g. "int4, head float32" or "Q4_0, head Q8_0"
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -64,6 +67,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     common.add_limits_args(p)
     p.add_argument("--hf-baseline", action="store_true", help="also time a plain HF forward loop")
     p.add_argument("--llama-cpp-baseline", action="store_true", help="also time llama.cpp (llama-cpp-python)")
+    llama_cpp.add_gguf_args(p)
     p.add_argument(
         "--rounds",
         type=int,
@@ -203,7 +207,13 @@ def run_pagedllm(
         results.append(measure_decode(engine, probe, args, batch, cost, limits, rng, vocab))
     del engine, probe
     gc.collect()
-    return results
+    return [dataclasses.replace(m, weights=pagedllm_weights(args)) for m in results]
+
+
+def pagedllm_weights(args: argparse.Namespace) -> str:
+    """What pagedllm computes with, for the tables (the LM head stays float in every method)."""
+    dtype = canonical_dtype(args.dtype)
+    return f"{args.quantization}, head {dtype}" if args.quantization else dtype
 
 
 # ---------------------------------------------------------------------------------------------- baselines
@@ -246,7 +256,7 @@ def run_hf(
         out.append(baseline_measurement("hf", "decode", batch, batch, statistics.median(times), ctx, cost, limits))
     del hf
     gc.collect()
-    return out
+    return [dataclasses.replace(m, weights=canonical_dtype(args.dtype)) for m in out]
 
 
 def run_llama_cpp(
@@ -256,11 +266,9 @@ def run_llama_cpp(
     limits: machine.MachineLimits,
     vocab: int,
 ) -> tuple[list[Measurement], str]:
-    from pagedllm.entrypoints.bench import llama_cpp
-
     if not llama_cpp.available():
         return [], llama_cpp.unavailable_reason()
-    with llama_cpp.gguf_for(model, args.seed) as gguf_path:
+    with llama_cpp.gguf_for(model, args.seed, args) as gguf_path:
         timings = llama_cpp.latency(gguf_path, args, vocab)
     ctx = args.decode_prompt_len + 1 + args.warmup_steps + args.decode_steps // 2
     out = [baseline_measurement("llama.cpp", "prefill", 1, args.prefill_len, timings.prefill_s, 0, cost, limits)]
@@ -268,12 +276,24 @@ def run_llama_cpp(
         baseline_measurement("llama.cpp", "decode", b, b, s, ctx, cost, limits)
         for b, s in sorted(timings.decode_s.items())
     ]
-    return out, timings.note
+    return [dataclasses.replace(m, weights=llama_cpp.weights_label(args)) for m in out], timings.note
 
 
 # ---------------------------------------------------------------------------------------------- report
 def format_results(results: list[Measurement]) -> str:
-    header = ("system", "figure", "batch", "ms", "tok/s", "GB/s", "GFLOP/s", "floor tok/s", "x floor", "overhead")
+    header = (
+        "system",
+        "weights",
+        "figure",
+        "batch",
+        "ms",
+        "tok/s",
+        "GB/s",
+        "GFLOP/s",
+        "floor tok/s",
+        "x floor",
+        "overhead",
+    )
     rows = []
     for m in results:
         d = m.to_dict()
@@ -281,6 +301,7 @@ def format_results(results: list[Measurement]) -> str:
         rows.append(
             (
                 m.system,
+                m.weights or "-",
                 m.figure if m.figure == "decode" else f"prefill {m.tokens}",
                 m.batch,
                 m.seconds * 1e3,

@@ -1,7 +1,10 @@
 """llama.cpp baselines through ``llama-cpp-python``'s low-level bindings (``pip install
 llama-cpp-python gguf``; it builds llama.cpp from source). Skipped with a message when missing.
 
-The model is the same HF model the HF baseline builds (same seed), written as a float32 GGUF.
+The model is the same HF model the HF baseline builds (same seed), written as a GGUF of
+``--llama-cpp-type``: float32, or Q8_0 / Q4_0 from ``gguf.quants`` (to set against pagedllm's
+``--quantization int8`` / ``w8a8`` / ``int4``; llama.cpp multiplies those with activations
+quantized to 8 bits per block of 32).
 Sequences are driven with llama.cpp's batch API (``llama_batch`` with one sequence id per slot),
 the way ``llama-server -np N`` batches: every step, each running sequence adds one token and
 new requests add their whole prompt. Token ids fed back are not sampled (speed does not depend
@@ -43,14 +46,56 @@ def unavailable_reason() -> str:
     )
 
 
+# --llama-cpp-type -> the GGML type of the matrices (None: float32)
+GGUF_TYPES: dict[str, str | None] = {"f32": None, "q8_0": "Q8_0", "q4_0": "Q4_0"}
+HEAD_TYPES = ("auto", "f32", "q8_0", "q4_0")
+
+
+def add_gguf_args(g: Any) -> None:
+    """The flags that pick the baseline GGUF's weight types (``bench latency`` and ``throughput``)."""
+    g.add_argument(
+        "--llama-cpp-type",
+        choices=tuple(GGUF_TYPES),
+        default="f32",
+        help="llama.cpp's weights: f32, or the matrices quantized to q8_0 / q4_0 (compare with pagedllm's "
+        "--quantization int8 or w8a8 / int4 on the same shape)",
+    )
+    g.add_argument(
+        "--llama-cpp-head",
+        choices=HEAD_TYPES,
+        default="auto",
+        help="llama.cpp's LM head (the tied embedding matrix): auto = as llama-quantize writes this shape (f32 "
+        "in an f32 file, else q8_0: 576 columns are not a multiple of 256 for its Q6_K); f32 = the work "
+        "pagedllm does (its LM head stays float32 in every --quantization)",
+    )
+
+
+def gguf_types(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(matrix type, LM head type) as GGML type names (None: float32) from the flags."""
+    quant = GGUF_TYPES[args.llama_cpp_type]
+    head = args.llama_cpp_head
+    if head == "auto":
+        return quant, "Q8_0" if quant else None
+    return quant, GGUF_TYPES[head]
+
+
+def weights_label(args: argparse.Namespace) -> str:
+    """What the baseline's weights are, for the tables: e.g. ``Q4_0, head Q8_0``."""
+    quant, head = gguf_types(args)
+    return f"{quant or 'F32'}, head {head or 'F32'}"
+
+
 @contextlib.contextmanager
-def gguf_for(model: BenchModel, seed: int) -> Iterator[Path]:
-    """A temporary f32 GGUF of the HF model the HF baseline would build with ``seed``."""
+def gguf_for(model: BenchModel, seed: int, args: argparse.Namespace | None = None) -> Iterator[Path]:
+    """A temporary GGUF (types from ``args``' llama.cpp flags; float32 without them) of the HF
+    model the HF baseline would build with ``seed``."""
     from pagedllm.entrypoints.bench import baselines, gguf_export
 
+    quant, head = gguf_types(args) if args is not None else (None, None)
     with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-") as tmp:
         hf = baselines.load_hf_model(model.path, model.dummy, seed)
-        path = gguf_export.write_gguf(hf.state_dict(), read_hf_config(model.path), Path(tmp) / "model-f32.gguf")
+        path = Path(tmp) / f"model-{(quant or 'f32').lower()}.gguf"
+        gguf_export.write_gguf(hf.state_dict(), read_hf_config(model.path), path, quant, head_quant=head)
         del hf
         gc.collect()
         yield path
@@ -106,11 +151,14 @@ class LlamaCpp:
             raise RuntimeError(f"llama_decode returned {rc}")
         return elapsed
 
-    def last_logits(self, vocab_size: int) -> Any:
-        """The logits of the batch's last token (numpy copy)."""
+    def last_logits(self, vocab_size: int, i: int = -1) -> Any:
+        """The logits of the batch's ``i``-th token (default: the last; it must have asked for
+        logits), a numpy copy."""
         import numpy as np
 
-        ptr = self.lc.llama_get_logits_ith(self.ctx, -1)
+        ptr = self.lc.llama_get_logits_ith(self.ctx, i)
+        if not ptr:
+            raise RuntimeError(f"llama.cpp holds no logits for batch entry {i}")
         return np.ctypeslib.as_array(ptr, shape=(vocab_size,)).copy()
 
     def clear(self, seq: int = -1) -> None:
@@ -184,7 +232,10 @@ def latency(path: Path, args: argparse.Namespace, vocab: int) -> LatencyTimings:
     timings = LatencyTimings(prefill_latency(path, args.prefill_len, args.prefill_iters, vocab, args.seed))
     for batch in args.batch_sizes:
         timings.decode_s[batch] = decode_latency(path, batch, args, vocab)
-    timings.note = "f32 GGUF, default KV type (f16), batch API with one sequence per slot; only llama_decode is timed"
+    timings.note = (
+        f"{weights_label(args)} GGUF, default KV type (f16), batch API with one sequence per slot; "
+        "only llama_decode is timed"
+    )
     return timings
 
 

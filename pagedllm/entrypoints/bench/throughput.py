@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from pagedllm.entrypoints.bench import common
+from pagedllm.entrypoints.bench import common, llama_cpp
 from pagedllm.entrypoints.bench.datasets import BenchRequest, total_prompt_tokens
 
 
@@ -82,6 +82,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         metavar="K",
         help="llama.cpp on the first K requests only (default: all)",
     )
+    llama_cpp.add_gguf_args(g)
 
 
 # ---------------------------------------------------------------------------------------------- pagedllm
@@ -111,7 +112,8 @@ def run_pagedllm(
     del llm, outputs
     gc.collect()
     _check_lengths(generated, requests)
-    note = f"one LLM.generate call, continuous batching; {cached} prompt tokens from the prefix cache"
+    weights = f"--quantization {args.quantization}" if args.quantization else args.dtype
+    note = f"one LLM.generate call, continuous batching, {weights}; {cached} prompt tokens from the prefix cache"
     return SystemResult(
         "pagedllm", len(requests), total_prompt_tokens(requests), sum(generated), sum(generated), elapsed, note
     ), startup
@@ -187,13 +189,12 @@ def run_hf(args: argparse.Namespace, model: common.BenchModel, requests: list[Be
 def run_llama_cpp(
     args: argparse.Namespace, model: common.BenchModel, requests: list[BenchRequest]
 ) -> tuple[list[SystemResult], str]:
-    from pagedllm.entrypoints.bench import llama_cpp
-
     if not llama_cpp.available():
         return [], llama_cpp.unavailable_reason()
     sub = subset(requests, args.llama_cpp_requests)
     results = []
-    with llama_cpp.gguf_for(model, args.seed) as path:
+    weights = llama_cpp.weights_label(args)
+    with llama_cpp.gguf_for(model, args.seed, args) as path:
         for slots in args.llama_cpp_slots:
             elapsed = llama_cpp.continuous_batching(path, sub, slots)
             useful = sum(r.output_len for r in sub)
@@ -205,11 +206,11 @@ def run_llama_cpp(
                     useful,
                     useful,
                     elapsed,
-                    f"continuous batching over {slots} sequences, f32 GGUF",
+                    f"continuous batching over {slots} sequences, {weights} GGUF",
                 )
             )
     return results, (
-        "f32 GGUF, default KV type (f16), llama_batch with one sequence per slot; fed token ids are not sampled"
+        f"{weights} GGUF, default KV type (f16), llama_batch with one sequence per slot; fed token ids are not sampled"
     )
 
 
