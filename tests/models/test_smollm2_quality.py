@@ -51,8 +51,11 @@ def test_fp32_perplexity_equals_transformers_on_the_same_file(
 # Measured on the bundled text (perplexity; share of teacher-forced argmaxes equal to fp32's):
 # fp32 25.6; int8 25.8 (+0.6%; 96%); int4 31.8 (+24%; 70%): int4 requantizes the Q4_1 weights
 # into groups of 64 with the zero point inside each group's range, a coarser grid than Q4_1's
-# 32-weight groups. The bounds leave room for kernel rounding across CPUs, not for a regression.
-@pytest.mark.parametrize(("method", "max_ratio", "min_argmax"), [("int8", 1.02, 0.93), ("int4", 1.35, 0.62)])
+# 32-weight groups; gguf (the default: the file's Q4_1 nibbles, scales and offsets as stored, on the
+# int4 kernel) differs from fp32 only by rounding. The bounds leave room for kernel rounding across CPUs, not for a regression.
+@pytest.mark.parametrize(
+    ("method", "max_ratio", "min_argmax"), [("gguf", 1.01, 0.97), ("int8", 1.02, 0.93), ("int4", 1.35, 0.62)]
+)
 def test_quantized_perplexity_stays_near_fp32(
     gguf: Path, tokens: list[int], fp32: perplexity.Scores, method: str, max_ratio: float, min_argmax: float
 ) -> None:
