@@ -69,11 +69,13 @@ class QuantizesOnLoad(LinearMethodBase):
         """Whether the format's kernel takes the float weight ``w`` [out, in] (a stand-in of its
         shape, dtype and device may come: read no values)."""
 
-    @abstractmethod
     def on_load_method(self) -> LinearMethodBase:
         """A method whose parameters hold the quantized form from construction and whose loader
         quantizes each float tensor (or fused shard) on arrival; after loading it hands the layer
-        to this method (``layer.quant_method = self``) exactly as quantizing after loading would."""
+        to this method (``layer.quant_method = self``) exactly as quantizing after loading would.
+        (The per-channel int8 methods stream through ``prequantized.PrequantizedInt8Method``,
+        which builds on them, so ``QuantizeOnLoadMethod`` picks that one for them.)"""
+        raise NotImplementedError(f"{type(self).__name__} cannot quantize while loading")
 
 
 class QuantizationConfig(ABC):

@@ -149,13 +149,6 @@ class PerChannelInt8Method(QuantizesOnLoad):
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
         layer.register_buffer("weight_scale", None, persistent=False)
 
-    def on_load_method(self) -> LinearMethodBase:
-        """int8 parameters each float tensor is quantized into per output channel on arrival."""
-        # prequantized.py builds on this module, so it is imported here, when first used.
-        from pagedllm.layers.quantization.prequantized import PrequantizedInt8Method
-
-        return PrequantizedInt8Method(self)
-
     @abstractmethod
     def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         """Replace ``layer.weight`` by the format's layout of Q [out, in] int8 (W ~ Q * scale[:, None])

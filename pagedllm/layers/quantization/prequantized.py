@@ -269,7 +269,11 @@ class QuantizeOnLoadMethod(LinearMethodBase):
         # A stand-in of the weight's shape, dtype and device (no memory) for the kernel check.
         shape = (sum(output_sizes), input_size)
         if self.target.can_take(torch.empty((1, 1), dtype=params_dtype).expand(shape)):
-            self.inner = self.target.on_load_method()
+            target = self.target
+            # int8 / w8a8 fill the same parameters a pre-quantized checkpoint does (this module's)
+            self.inner = (
+                PrequantizedInt8Method(target) if isinstance(target, PerChannelInt8Method) else target.on_load_method()
+            )
         self.inner.create_weights(layer, input_size, output_sizes, params_dtype, weight_loader)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
