@@ -41,7 +41,7 @@ from pagedllm.layers.quantization import int4, int8
 
 Call = Callable[[torch.Tensor], torch.Tensor]
 # The int4 kernel's source and the headers it includes (as of this revision).
-INT4_SOURCES = ("cpu_gemm_int4.cpp", "cpu_vec.h", "cpu_gemm_common.h", "cpu_kernels.h")
+INT4_SOURCES = ("cpu_gemm_grouped.cpp", "cpu_vec.h", "cpu_gemm_common.h", "cpu_kernels.h")
 
 
 def baseline_int4(rev: str) -> int4.LinearInt4:

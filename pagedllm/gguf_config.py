@@ -112,8 +112,19 @@ def gguf_arch_config(path: str | Path) -> ModelArchConfig:
         bos_token_id=meta.optional_int("tokenizer.ggml.bos_token_id"),
         eos_token_ids=_eos_ids(meta),
         torch_dtype=None,  # the weights are dequantized to the engine's dtype
-        extra={"gguf_file": str(path)},
+        # Whether the LM head (output.weight, else the tied token_embd.weight) is block-quantized:
+        # the "gguf" format then keeps it in int8 groups (layers/quantization/gguf.py).
+        extra={"gguf_file": str(path), "gguf_head_quantized": _head_quantized(tensors)},
     )
+
+
+# GGML type ids of the float tensor types (F32, F16, F64, BF16); every other type is block-quantized.
+_FLOAT_GGML_TYPES = frozenset({0, 1, 28, 30})
+
+
+def _head_quantized(tensors: dict[str, Any]) -> bool:
+    head = tensors.get("output.weight") or tensors.get("token_embd.weight")
+    return head is not None and head.ggml_type not in _FLOAT_GGML_TYPES
 
 
 class _Metadata:

@@ -139,7 +139,12 @@ class ModelArgs:
     def create_model_config(self, model_dir: str, arch: ModelArchConfig, device: str, load_format: str) -> ModelConfig:
         check_architecture(arch)
         dtype = resolve_dtype(self.dtype, arch, device)
-        requested = self.quantization or default_quantization(arch, device, dtype)
+        requested = self.quantization or default_quantization(arch, device, dtype, load_format)
+        if requested == "gguf" and load_format == "dummy":
+            raise ValueError(
+                "quantization='gguf' keeps a GGUF file's 4-bit blocks as stored, but load_format='dummy' reads no "
+                "file; drop one of them (random weights: load_format='dummy' with quantization none / int8 / int4)"
+            )
         quantization = resolve_quantization(None if requested == "none" else requested, arch)
         check_quantization(quantization, device, dtype)
         check_max_logprobs(self.max_logprobs)
@@ -188,10 +193,12 @@ def checkpoint_quant_method(arch: ModelArchConfig) -> str | None:
     return method.lower()
 
 
-def default_quantization(arch: ModelArchConfig, device: str, dtype: str) -> str | None:
+def default_quantization(arch: ModelArchConfig, device: str, dtype: str, load_format: str = "auto") -> str | None:
     """What a model loads as when no quantization is asked for: a GGUF file's 4-bit linears stay
-    4-bit on CPU in float32 ("gguf"); everything else as the checkpoint has it."""
-    return "gguf" if "gguf_file" in arch.extra and device == "cpu" and dtype == "float32" else None
+    4-bit on CPU in float32 ("gguf"), unless its weights are not read (``load_format='dummy'``:
+    random float weights of its shape); everything else as the checkpoint has it."""
+    gguf = "gguf_file" in arch.extra and load_format != "dummy"
+    return "gguf" if gguf and device == "cpu" and dtype == "float32" else None
 
 
 def resolve_quantization(requested: str | None, arch: ModelArchConfig) -> str | None:

@@ -1,4 +1,5 @@
-"""The JIT-built CPU GEMM kernel (``csrc/cpu_gemm.cpp``) and its packed weight layout.
+"""The JIT-built CPU GEMM kernel (``csrc/cpu_gemm.cpp``) and the packed weight layouts of the CPU
+GEMM kernels (fp32 panels here; the int8 interleave and per-group values the quantized formats share).
 
 Decode at a few rows is bound by streaming the weights, and neither ``F.linear`` nor oneDNN's
 prepacked GEMV gets near the machine's read bandwidth there; this kernel does, and on the same
@@ -21,6 +22,8 @@ from pagedllm.layers.cpu_kernels import cpu_ops, kernels_enabled
 
 # Outputs per packed panel (kLanes in the kernel): one AVX-512 vector of float32, two AVX2, four NEON.
 PANEL = 16
+# Output rows per interleaved group of the int8 layouts (``pack_int8``): 4 panels of 16.
+INT8_GROUP_ROWS = 4 * PANEL
 
 PackedLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
@@ -68,3 +71,33 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     kernel = load_cpu_gemm()
     assert kernel is not None, "packed weights exist only when the kernel built"
     return kernel(x, packed, bias)
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """Q [N, K] -> the kernel's layout: groups of 64 rows (the last 16/32/48 when N % 64), each
+    transposed to [K, rows] so one k step is one 64-byte line, concatenated and shaped
+    [N / 16, K, 16] (``csrc/cpu_gemm_int8.cpp`` explains why)."""
+    n, k = q.shape
+    if n % PANEL:
+        raise ValueError(f"int8 packing needs out_features % {PANEL} == 0, got {n}")
+    full = n // INT8_GROUP_ROWS * INT8_GROUP_ROWS
+    body = q[:full].reshape(n // INT8_GROUP_ROWS, INT8_GROUP_ROWS, k).transpose(1, 2).reshape(-1)
+    tail = q[full:].t().reshape(-1)
+    return torch.cat([body, tail]).reshape(n // PANEL, k, PANEL)
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    """The inverse of ``pack_int8`` (a new [N, K] tensor)."""
+    panels, k, _ = packed.shape
+    n = panels * PANEL
+    full = n // INT8_GROUP_ROWS * INT8_GROUP_ROWS
+    flat = packed.reshape(-1)
+    body = flat[: full * k].reshape(n // INT8_GROUP_ROWS, k, INT8_GROUP_ROWS).transpose(1, 2).reshape(full, k)
+    tail = flat[full * k :].reshape(k, n - full).t()
+    return torch.cat([body, tail])
+
+
+def pack_groups(t: torch.Tensor) -> torch.Tensor:
+    """Per-group values [N, K / G] -> [N / 16, K / G, 16] float32 (a panel's groups contiguous)."""
+    n, groups = t.shape
+    return t.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()

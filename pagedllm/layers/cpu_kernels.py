@@ -43,7 +43,7 @@ SOURCES = tuple(
         "cpu_fused_ops.cpp",
         "cpu_gemm.cpp",
         "cpu_gemm_int8.cpp",
-        "cpu_gemm_int4.cpp",
+        "cpu_gemm_grouped.cpp",
         "cpu_gemm_w8a8.cpp",
         "cpu_decode_stack.cpp",
         "cpu_lora.cpp",

@@ -51,7 +51,7 @@ def load_model(
     (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included.
     A pre-quantized checkpoint (config.json's quantization_config) loads in its own format."""
     quantization = resolve_quantization(quantization, arch)
-    quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"))
+    quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"), arch.extra)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     # awq / gptq dummy weights are random packed bits; the converting formats need real tensors.

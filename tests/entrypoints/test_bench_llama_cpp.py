@@ -86,7 +86,7 @@ def test_latency_table_names_each_systems_weights(capsys: Any, tmp_path: Path, m
     stdout = capsys.readouterr().out
     report = json.loads(out_json.read_text())
     weights = {(r["system"], r["weights"]) for r in report["results"]}
-    assert ("pagedllm", "int8, head float32") in weights
+    assert ("pagedllm", "int8, head int8 g32") in weights
     header = next(line for line in stdout.splitlines() if "x floor" in line)
     assert header.split()[:2] == ["system", "weights"]
     if llama_cpp.available():

@@ -1,4 +1,4 @@
-"""Group-wise int4 (``--quantization int4``): the kernel (csrc/cpu_gemm_int4.cpp) at every ISA level
+"""Group-wise int4 (``--quantization int4``): the kernel (csrc/cpu_gemm_grouped.cpp) at every ISA level
 against an exact numpy dequantize-then-matmul, the packing, the quantizer, the layer."""
 
 import numpy as np
@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
-from pagedllm.layers.quantization import int4
+from pagedllm.layers.quantization import int4, int8_groups
 from tests.layers.int4_reference import as_tensor, dequantize, random_int4, reference_linear
 
 # Rows 1-15: every fused tile height (1-4) and remainders; from 16 the dequantize-then-fp32
@@ -128,7 +128,8 @@ def test_in_features_without_a_group_is_a_clear_error():
 
 def test_engine_int4_greedy_matches_transformers_on_the_dequantized_weights(llama_model_dir, tmp_path, native):
     """--quantization int4 on a float checkpoint equals transformers on that checkpoint with each
-    linear replaced by its int4 dequantization (the quantizer is per row, so fusing is transparent)."""
+    linear replaced by its int4 dequantization and the LM head by its int8 groups (the quantizers are
+    per row, so fusing is transparent)."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -144,6 +145,9 @@ def test_engine_int4_greedy_matches_transformers_on_the_dequantized_weights(llam
             state[name] = int4.dequantize(*int4.quantize_groupwise(w, int4.choose_group_size(w.shape[1])))
     save_file(state, str(float_dir / "model.safetensors"))
     hf = AutoModelForCausalLM.from_pretrained(str(float_dir), dtype=torch.float32)
+    hf.lm_head.weight = torch.nn.Parameter(
+        int8_groups.dequantize_groups(*int8_groups.quantize_groups(hf.lm_head.weight))
+    )
     llm = LLM(str(llama_model_dir), quantization="int4", kv_cache_memory=0.05, max_model_len=128)
     model = llm.llm_engine.engine_core.executor.worker.model_runner.model
     linears = [m for m in model.modules() if isinstance(getattr(m, "quant_method", None), int4.Int4LinearMethod)]

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.config import EngineArgs
+from pagedllm.layers import cpu_gemm_kernels
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.layers.quantization import int8 as quant
@@ -31,7 +32,7 @@ def _check(op, rows, n, k, with_bias):
     b = torch.randn(n) if with_bias else None
     q, scale = quant.quantize_per_channel(w)
     reference = F.linear(x, q.float() * scale[:, None], b)
-    torch.testing.assert_close(op(x, quant.pack_int8(q), scale, b), reference, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(op(x, cpu_gemm_kernels.pack_int8(q), scale, b), reference, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("n,k", SHAPES)
@@ -60,12 +61,12 @@ def test_smollm_shapes_across_threads_and_batched_input(native):
 
 def test_pack_int8_roundtrip():
     q = torch.randint(-127, 128, (80, 7), dtype=torch.int8)
-    packed = quant.pack_int8(q)
+    packed = cpu_gemm_kernels.pack_int8(q)
     assert packed.shape == (5, 7, 16) and packed.dtype == torch.int8
     flat = packed.reshape(-1)
     assert flat[2 * 64 + 5] == q[5, 2]  # group 0 is [K, 64]: k = 2, row 5
     assert flat[64 * 7 + 3 * 16 + 9] == q[64 + 9, 3]  # the last group is [K, 16]
-    assert torch.equal(quant.unpack_int8(packed), q)
+    assert torch.equal(cpu_gemm_kernels.unpack_int8(packed), q)
 
 
 def test_quantization_error_bound():

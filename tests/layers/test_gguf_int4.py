@@ -17,6 +17,7 @@ from pagedllm.layers.linear import MergedColumnParallelLinear
 from pagedllm.layers.quantization import building_with
 from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod, q4_to_int4
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
+from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 gguf = pytest.importorskip("gguf")
@@ -101,8 +102,7 @@ def test_a_layer_missing_a_part_names_it() -> None:
         layer.quant_method.process_weights_after_loading(layer)
 
 
-@pytest.fixture(scope="module")
-def q4_1_gguf(llama_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def _write_q4_1(llama_model_dir: Path, out: Path, head_quant: str | None) -> Path:
     from safetensors.torch import load_file
 
     from pagedllm.entrypoints.bench.gguf_export import write_gguf
@@ -111,13 +111,27 @@ def q4_1_gguf(llama_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     state: dict[str, Any] = {}
     for f in sorted(llama_model_dir.glob("*.safetensors")):
         state.update(load_file(str(f)))
-    out = tmp_path_factory.mktemp("gguf-q4") / "tiny-Q4_1.gguf"
-    return write_gguf(state, load_hf_config(llama_model_dir), out, quant="Q4_1")
+    return write_gguf(state, load_hf_config(llama_model_dir), out, quant="Q4_1", head_quant=head_quant)
+
+
+@pytest.fixture(scope="module")
+def q4_1_gguf(llama_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_1 linears, the LM head float32."""
+    return _write_q4_1(llama_model_dir, tmp_path_factory.mktemp("gguf-q4") / "tiny-Q4_1.gguf", None)
+
+
+@pytest.fixture(scope="module")
+def q4_1_q8_head_gguf(llama_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Q4_1 linears, the LM head Q8_0 (as llama-quantize writes SmolLM2's)."""
+    return _write_q4_1(llama_model_dir, tmp_path_factory.mktemp("gguf-q4-q8") / "tiny-Q4_1.gguf", "Q8_0")
+
+
+def _model(llm: LLM) -> Any:
+    return llm.llm_engine.engine_core.executor.worker.model_runner.model  # type: ignore[attr-defined]
 
 
 def _linear_methods(llm: LLM) -> set[type]:
-    model = llm.llm_engine.engine_core.executor.worker.model_runner.model  # type: ignore[attr-defined]
-    return {type(m.quant_method) for m in model.model.layers.modules() if hasattr(m, "quant_method")}
+    return {type(m.quant_method) for m in _model(llm).model.layers.modules() if hasattr(m, "quant_method")}
 
 
 def test_a_q4_1_gguf_loads_4bit_by_default_with_transformers_greedy_tokens(
@@ -135,9 +149,38 @@ def test_a_q4_1_gguf_loads_4bit_by_default_with_transformers_greedy_tokens(
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
     assert _linear_methods(llm) == {GGUFLinearMethod} and issubclass(GGUFLinearMethod, Int4KernelMethod)
+    assert isinstance(_model(llm).lm_head.quant_method, UnquantizedLinearMethod)  # the file's head is F32
     floats = LLM(str(q4_1_gguf), tokenizer=str(llama_model_dir), quantization="none", kv_cache_memory=0.05)
     assert floats.llm_engine.config.model_config.quantization is None
     assert _linear_methods(floats) == {UnquantizedLinearMethod}
+
+
+def test_a_q8_0_head_stays_in_int8_groups_with_transformers_greedy_tokens(
+    q4_1_q8_head_gguf: Path, llama_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5, 17, 99, 3, 250], [42, 7, 7, 300, 11, 64, 2], [1, 2, 3]]
+    path = q4_1_q8_head_gguf
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    llm = LLM(str(path), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
+    head = _model(llm).lm_head
+    assert isinstance(head.quant_method, GroupedInt8HeadMethod) and head.weight.dtype == torch.int8
+    # The Q8_0 blocks come back exactly: the head's logits are transformers' (dequantized) head's.
+    hidden = torch.randn(4, hf.config.hidden_size)
+    torch.testing.assert_close(head(hidden), hidden @ hf.lm_head.weight.T, rtol=1e-5, atol=1e-5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+
+
+def test_random_weights_of_a_gguf_shape_load_float(q4_1_gguf: Path, llama_model_dir: Path) -> None:
+    llm = LLM(str(q4_1_gguf), tokenizer=str(llama_model_dir), load_format="dummy", kv_cache_memory=0.05)
+    assert llm.llm_engine.config.model_config.quantization is None  # no file blocks to keep
+    with pytest.raises(ValueError, match="quantization='gguf' .* load_format='dummy' reads no file"):
+        LLM(str(q4_1_gguf), tokenizer=str(llama_model_dir), load_format="dummy", quantization="gguf")
 
 
 def test_gguf_quantization_on_a_safetensors_model_is_a_value_error(llama_model_dir: Path) -> None:

@@ -17,6 +17,7 @@ from pagedllm.layers.quantization import (
 )
 from pagedllm.layers.quantization.checkpoint import CHECKPOINT_FORMATS
 from pagedllm.layers.quantization.int8 import Int8Config, Int8LinearMethod
+from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
 
 _MINIMAL_CHECKPOINT_CONFIGS = {
@@ -68,7 +69,7 @@ def test_layers_take_the_method_of_the_model_being_built():
     with building_with(Int8Config()):
         linear, row, head = ColumnParallelLinear(8, 16), RowParallelLinear(16, 8), ParallelLMHead(32, 8)
     assert isinstance(linear.quant_method, Int8LinearMethod) and isinstance(row.quant_method, Int8LinearMethod)
-    assert isinstance(head.quant_method, UnquantizedLinearMethod)  # the head stays float
+    assert isinstance(head.quant_method, GroupedInt8HeadMethod)  # the head in int8 groups of 32
     assert isinstance(ColumnParallelLinear(8, 16).quant_method, UnquantizedLinearMethod)
 
 

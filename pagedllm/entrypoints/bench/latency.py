@@ -35,7 +35,7 @@ class Measurement:
     floor_s: float
     core_s: float | None = None  # pagedllm: EngineCore.step
     model_s: float | None = None  # pagedllm: forward + LM head inside it
-    weights: str = ""  # what the system computes with, e.g. "int4, head float32" or "Q4_0, head Q8_0"
+    weights: str = ""  # what the system computes with, e.g. "int4, head int8 g32" or "Q4_0, head Q8_0"
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -211,9 +211,15 @@ def run_pagedllm(
 
 
 def pagedllm_weights(args: argparse.Namespace) -> str:
-    """What pagedllm computes with, for the tables (the LM head stays float in every method)."""
+    """What pagedllm computes with, for the tables: the method and its LM head's form."""
+    from pagedllm.layers.quantization import get_quantization_config
+    from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
+
     dtype = canonical_dtype(args.dtype)
-    return f"{args.quantization}, head {dtype}" if args.quantization else dtype
+    if args.quantization in (None, "none"):
+        return dtype
+    head = get_quantization_config(args.quantization).get_lm_head_method()
+    return f"{args.quantization}, head {'int8 g32' if isinstance(head, GroupedInt8HeadMethod) else dtype}"
 
 
 # ---------------------------------------------------------------------------------------------- baselines

@@ -36,16 +36,19 @@ _UNQUANTIZED = UnquantizedConfig()
 _current: QuantizationConfig = _UNQUANTIZED
 
 
-def get_quantization_config(name: str | None, checkpoint_config: dict[str, Any] | None = None) -> QuantizationConfig:
+def get_quantization_config(
+    name: str | None, checkpoint_config: dict[str, Any] | None = None, model_extra: dict[str, Any] | None = None
+) -> QuantizationConfig:
     """The config for ``name`` (None: unquantized); a checkpoint format (awq, gptq) is built from
-    the checkpoint's ``quantization_config`` dict. ValueError for an unknown name."""
+    the checkpoint's ``quantization_config`` dict, the others from the model's ``extra`` facts
+    (``QuantizationConfig.for_model``). ValueError for an unknown name."""
     if name is None:
         return _UNQUANTIZED
     if name in CHECKPOINT_FORMATS:
         return checkpoint_quant_config(name, checkpoint_config)
     if name not in QUANTIZATION_CONFIGS:
         raise ValueError(f"quantization must be None or one of {', '.join(QUANTIZATION_METHODS)}; got {name!r}")
-    return QUANTIZATION_CONFIGS[name]()
+    return QUANTIZATION_CONFIGS[name].for_model(model_extra or {})
 
 
 def current_quant_config() -> QuantizationConfig:

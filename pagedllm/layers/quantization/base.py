@@ -11,7 +11,7 @@ its shard, and a new format (AWQ, GPTQ, FP8, GGUF) is one more module in this pa
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, ClassVar
 
 import torch
@@ -86,14 +86,20 @@ class QuantizationConfig(ABC):
     # (``prequantized.for_checkpoint``); None: the format converts after loading, if at all.
     quantize_on_load: ClassVar[type[QuantizesOnLoad] | None] = None
 
+    @classmethod
+    def for_model(cls, model_extra: Mapping[str, Any]) -> QuantizationConfig:
+        """The format for a model whose architecture config carries ``model_extra`` (facts of its
+        checkpoint, e.g. a GGUF file's head type); default: the format's only form."""
+        return cls()
+
     @abstractmethod
     def get_linear_method(self) -> LinearMethodBase:
         """A fresh method for one of the transformer's linear layers."""
 
     @abstractmethod
     def get_lm_head_method(self) -> LinearMethodBase:
-        """A fresh method for the LM head (formats so far keep it unquantized: its logits are
-        what sampling reads)."""
+        """A fresh method for the LM head: float for the float and pre-quantized checkpoint formats
+        (as the checkpoint stores it), int8 groups of 32 for those that quantize on their own."""
 
     def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's (name, tensor) stream as this format's parameters take it (default: as

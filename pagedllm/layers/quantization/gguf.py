@@ -18,6 +18,7 @@ filled lazily (an unused form never allocates), and ``process_weights_after_load
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -26,6 +27,7 @@ from torch import nn
 
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
+from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 GROUP = 32
@@ -159,16 +161,24 @@ class GGUFLinearMethod(Int4KernelMethod):
 
 
 class GGUFConfig(QuantizationConfig):
-    """A GGUF file's linears as stored: 4-bit block types on the int4 kernel, the rest float32;
-    the LM head and embedding float32 (dequantized)."""
+    """A GGUF file's linears as stored: 4-bit block types on the int4 kernel, the rest float32.
+    The embedding is float32 (dequantized); the LM head is in int8 groups of 32 when the file
+    stores it block-quantized (a Q8_0 head comes back exactly: ``int8_groups``), else float32."""
 
     name = "gguf"
+
+    def __init__(self, quantized_head: bool = True) -> None:
+        self.quantized_head = quantized_head
+
+    @classmethod
+    def for_model(cls, model_extra: Mapping[str, Any]) -> QuantizationConfig:
+        return cls(quantized_head=bool(model_extra.get("gguf_head_quantized", True)))
 
     def get_linear_method(self) -> LinearMethodBase:
         return GGUFLinearMethod()
 
     def get_lm_head_method(self) -> LinearMethodBase:
-        return UnquantizedLinearMethod()
+        return GroupedInt8HeadMethod() if self.quantized_head else UnquantizedLinearMethod()
 
 
 def is_q4_linear(hf_name: str, qtype: str) -> bool:

@@ -4,7 +4,7 @@ the AWQ and GPTQ checkpoints (``awq.py``, ``gptq.py``) are repacked into.
 Batch-1 decode streams every weight once per step; int4 halves int8's bytes (an eighth of
 float32). One weight is W[n, k] = (q[n, k] - z[n, g]) * s[n, g]: q in 0..15, g = k // G, one float32
 scale and one (integral) zero point per output row and group of G inputs along K (128 by default).
-Activations stay float32; the kernel (``csrc/cpu_gemm_int4.cpp``) widens the nibbles in registers.
+Activations stay float32; the kernel (``csrc/cpu_gemm_grouped.cpp``) widens the nibbles in registers.
 
 A float weight is quantized group-wise (``quantize_groupwise``: min/max of each group, zero
 included in the range so that 0 is exact and a constant group needs no special case). From a
@@ -29,7 +29,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
+from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_groups, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization import triton_layout
 from pagedllm.layers.quantization.base import (
@@ -40,6 +40,7 @@ from pagedllm.layers.quantization.base import (
     create_dense_weight,
     set_weight_attrs,
 )
+from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.layers.sharding import ShardId
 
@@ -119,12 +120,6 @@ def pack_pairs(q: torch.Tensor) -> torch.Tensor:
 def unpack_pairs(pairs: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_pairs`` (a new [N, K] uint8 tensor)."""
     return torch.stack([pairs & 15, pairs >> 4], dim=2).reshape(pairs.shape[0], -1)
-
-
-def pack_groups(t: torch.Tensor) -> torch.Tensor:
-    """Per-group values [N, K / G] -> [N / 16, K / G, 16] float32 (a panel's groups contiguous)."""
-    n, groups = t.shape
-    return t.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
 
 
 class _Int4Layer(Protocol):
@@ -295,7 +290,8 @@ class Int4OnLoadMethod(LinearMethodBase):
 
 
 class Int4Config(QuantizationConfig):
-    """Group-wise int4 for the transformer's linears (a float checkpoint); the LM head stays float."""
+    """Group-wise int4 for the transformer's linears (a float checkpoint); the LM head in int8 groups
+    of 32 (``int8_groups``)."""
 
     name = "int4"
     quantize_on_load = Int4LinearMethod
@@ -304,4 +300,4 @@ class Int4Config(QuantizationConfig):
         return Int4LinearMethod()
 
     def get_lm_head_method(self) -> LinearMethodBase:
-        return UnquantizedLinearMethod()
+        return GroupedInt8HeadMethod()

@@ -31,7 +31,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
+from pagedllm.layers.cpu_gemm_kernels import pack_int8, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization import triton_layout
 from pagedllm.layers.quantization.base import (
@@ -41,12 +41,11 @@ from pagedllm.layers.quantization.base import (
     WeightLoader,
     create_dense_weight,
 )
+from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
 logger = logging.getLogger(__name__)
 
-# Output rows per interleaved group of the packed layout (4 panels of 16).
-_GROUP = 4 * PANEL
 # Symmetric range: -127..127 (not -128) so that q and -q are both representable.
 _QMAX = 127
 
@@ -86,30 +85,6 @@ def quantize_and_pack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed int8 [out / 16, in, 16], scale [out]) for the kernel."""
     q, scale = quantize_per_channel(w)
     return pack_int8(q), scale
-
-
-def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """Q [N, K] -> the kernel's layout: groups of 64 rows (the last 16/32/48 when N % 64), each
-    transposed to [K, rows] so one k step is one 64-byte line, concatenated and shaped
-    [N / 16, K, 16] (``csrc/cpu_gemm_int8.cpp`` explains why)."""
-    n, k = q.shape
-    if n % PANEL:
-        raise ValueError(f"int8 packing needs out_features % {PANEL} == 0, got {n}")
-    full = n // _GROUP * _GROUP
-    body = q[:full].reshape(n // _GROUP, _GROUP, k).transpose(1, 2).reshape(-1)
-    tail = q[full:].t().reshape(-1)
-    return torch.cat([body, tail]).reshape(n // PANEL, k, PANEL)
-
-
-def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
-    """The inverse of ``pack_int8`` (a new [N, K] tensor)."""
-    panels, k, _ = packed.shape
-    n = panels * PANEL
-    full = n // _GROUP * _GROUP
-    flat = packed.reshape(-1)
-    body = flat[: full * k].reshape(n // _GROUP, k, _GROUP).transpose(1, 2).reshape(full, k)
-    tail = flat[full * k :].reshape(k, n - full).t()
-    return torch.cat([body, tail])
 
 
 class Int8Layer(Protocol):
@@ -208,7 +183,7 @@ class Int8LinearMethod(PerChannelInt8Method):
 
 
 class Int8Config(QuantizationConfig):
-    """Weight-only int8 for the transformer's linears; the LM head stays float."""
+    """Weight-only int8 for the transformer's linears; the LM head in int8 groups of 32 (``int8_groups``)."""
 
     name = "int8"
     quantize_on_load = Int8LinearMethod
@@ -217,4 +192,4 @@ class Int8Config(QuantizationConfig):
         return Int8LinearMethod()
 
     def get_lm_head_method(self) -> LinearMethodBase:
-        return UnquantizedLinearMethod()
+        return GroupedInt8HeadMethod()

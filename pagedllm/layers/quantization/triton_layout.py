@@ -2,7 +2,7 @@
 (``triton_dequant_gemm.py``), for the quant methods to choose at load (``int8.py``, ``int4.py``).
 
 The CPU layouts are the C++ kernels' panels (16 outputs interleaved per k step, sized for a
-vector register: ``int8.pack_int8``, ``int4.pack_int4``); a GPU tile wants the opposite, N
+vector register: ``cpu_gemm_kernels.pack_int8``, ``int4.pack_int4``); a GPU tile wants the opposite, N
 contiguous at each k (coalesced loads across a warp), and no constraint on N. So on a CUDA device
 the methods convert their integer weights once, at load, into:
 

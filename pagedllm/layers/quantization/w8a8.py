@@ -32,7 +32,7 @@ from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.int8 import PerChannelInt8Method
-from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 
 _QMAX = 127
 # The kernel's int32 sums of (q + 128) * w stay exact up to this many inputs.
@@ -133,7 +133,7 @@ class W8A8LinearMethod(PerChannelInt8Method):
 
 
 class W8A8Config(QuantizationConfig):
-    """W8A8 for the transformer's linears; the LM head stays float (see the module doc)."""
+    """W8A8 for the transformer's linears; the LM head in int8 groups of 32 (``int8_groups``)."""
 
     name = "w8a8"
     quantize_on_load = W8A8LinearMethod
@@ -142,4 +142,4 @@ class W8A8Config(QuantizationConfig):
         return W8A8LinearMethod()
 
     def get_lm_head_method(self) -> LinearMethodBase:
-        return UnquantizedLinearMethod()
+        return GroupedInt8HeadMethod()

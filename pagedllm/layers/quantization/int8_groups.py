@@ -1,0 +1,131 @@
+"""The LM head of the quantized formats in int8 groups of 32 (GGUF's Q8_0 in our kernel's layout).
+
+Batch-1 decode streams every weight once per step, and the LM head is a large share of them: at
+SmolLM2-135M's shape (vocab 49152 x hidden 576) a float32 head is 113 MB, more than the int4
+transformer's 66 MB. llama.cpp keeps a quantized file's output layer in Q8_0 (28 MB). So the
+formats that quantize anyway (``int8``, ``int4``, ``w8a8``) and a GGUF file whose head is stored
+quantized give the head this method: symmetric int8 with one float32 scale per output row and
+group of 32 inputs, W = q * s, q in -127..127 (``quantize_groups``), run by the group-wise kernel
+(``csrc/cpu_gemm_grouped.cpp``, ``packed_linear_int8_grouped``) on the per-channel int8 kernel's
+packed layout (``cpu_gemm_kernels.pack_int8``) with the int4 kernel's per-group scales
+(``cpu_gemm_kernels.pack_groups``).
+
+Accuracy: each weight's error is at most s / 2 = max|w| of its group / 254, much finer than a
+per-channel scale (max over the whole row). A GGUF Q8_0 head, dequantized by the loader and
+quantized here again, comes back as the file's own integers and scales (the largest value of a
+block is 127 d exactly, so d and every q are recovered; d up to float32 rounding).
+
+The float weight loads as usual (tied models: the embedding's table, which lookups keep using)
+and is quantized once after loading; the head holds only the packed copy. Where the kernel
+cannot run (no CPU kernels, not float32 on CPU, rows % 16, inputs % 32) the head stays float.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any, cast
+
+import torch
+from torch import nn
+
+from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_groups, pack_int8
+from pagedllm.layers.cpu_kernels import cpu_ops
+from pagedllm.layers.quantization.base import LinearMethodBase, WeightLoader, create_dense_weight
+from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
+
+GROUP = 32
+_QMAX = 127
+
+GroupedInt8Gemm = Callable[..., torch.Tensor]
+
+
+@lru_cache(maxsize=1)
+def load_grouped_int8_gemm() -> GroupedInt8Gemm | None:
+    """``packed_linear_int8_grouped(x, packed, scale, bias, group_size)`` of the selected build,
+    or None when the CPU kernels are disabled or the build failed."""
+    ops = cpu_ops()
+    return None if ops is None else ops.packed_linear_int8_grouped.default
+
+
+def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [N, K] float -> (q [N, K] int8 in -127..127, scale [N, K / G] float32), W ~ q * scale
+    per group of G inputs (Q8_0's rule: scale = max|w| / 127, q = round(w / scale)). A group of
+    zeros gets scale 0 and q 0."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group, group)
+    scale = groups.abs().amax(dim=2) / _QMAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(groups / safe[..., None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return q.reshape(n, k), scale.contiguous()
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q * scale as float32 [N, K] (the kernel's weights, the tests' reference)."""
+    return q.float() * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
+
+
+def can_take(w: torch.Tensor) -> bool:
+    """Whether the group-wise int8 kernel takes the float weight ``w`` [out, in]."""
+    return (
+        w.device.type == "cpu"
+        and w.dtype == torch.float32
+        and w.dim() == 2
+        and w.shape[0] % PANEL == 0
+        and w.shape[1] % GROUP == 0
+        and load_grouped_int8_gemm() is not None
+    )
+
+
+def _not_loaded_yet(*args: object) -> torch.Tensor:
+    raise RuntimeError("the LM head runs only after its quant_method.process_weights_after_loading")
+
+
+class GroupedInt8HeadMethod(LinearMethodBase):
+    """An LM head loaded as float (or tied to the embedding), then held as int8 groups of 32."""
+
+    def __init__(self) -> None:
+        self._kernel: GroupedInt8Gemm = _not_loaded_yet
+        self.quantized = False
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.quantized:
+            return
+        w = cast(torch.Tensor, layer.weight).data
+        if not can_take(w):
+            logger.info(
+                "the LM head (%s %s on %s) stays float: int8 groups need the CPU kernels, float32, "
+                "rows %% %d == 0 and inputs %% %d == 0",
+                tuple(w.shape),
+                w.dtype,
+                w.device.type,
+                PANEL,
+                GROUP,
+            )
+            method = UnquantizedLinearMethod()
+            cast(Any, layer).quant_method = method
+            method.process_weights_after_loading(layer)
+            return
+        q, scale = quantize_groups(w)
+        # A new parameter: a tied embedding keeps its float table for lookups.
+        layer.weight = nn.Parameter(pack_int8(q), requires_grad=False)
+        layer.register_buffer("weight_scale", pack_groups(scale), persistent=False)
+        kernel = load_grouped_int8_gemm()
+        assert kernel is not None, "can_take checked that the kernel built"
+        self._kernel, self.quantized = kernel, True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._kernel(x, layer.weight, layer.weight_scale, bias, GROUP)
