@@ -7,23 +7,23 @@
 // float32. Batch-1 decode streams every weight once per step, so fewer bytes is a faster step
 // while the widening keeps up.
 //
-// Packed layouts (Format below says how to find a panel of 16 outputs):
-// - int4 [N / 16, K, 8] uint8: panels of 16 outputs as in the fp32 kernel, byte j of panel p at
-//   step k holds output 16 p + j in its low nibble and 16 p + j + 8 in its high one (cpu_vec.h's
-//   load_u4 widens one vector of it).
-// - int8 [N / 16, K, 16] int8: the per-channel int8 kernel's layout (cpu_gemm_int8.cpp): groups
-//   of 4 panels interleaved along k, one 64-byte line per k step of a full group.
-// scale, zero: [N / 16, K / G, 16] float32, a panel's groups contiguous.
+// Packed layouts: a panel (16 outputs) is stored in blocks of kSteps k steps, and the panels of
+// each group of 4 are interleaved block by block, so a tile over a group reads one sequential
+// stream (see Int4Format / Int8Format below):
+// - int4 [N / 16, K, 8] uint8 (the bytes): a block is 8 k steps, 16 little-endian 32-bit words,
+//   word n holding output n's 8 nibbles (k step i in bits 4i..4i+3); cpu_vec.h's load_u4_step
+//   widens one k step of a block with a shift and a mask or a 16-entry table lookup, in output order.
+// - int8 [N / 16, K, 16] int8: a block is 1 k step, 16 bytes: the per-channel int8 kernel's layout
+//   (cpu_gemm_int8.cpp), one 64-byte line per k step of a full group.
+// scale, zero: [N / 16, K / G, 16] float32, a panel's groups contiguous. G must be a multiple of
+// the block's k steps.
 //
 // Two paths:
 // - Fewer than 16 rows (decode): the fused tile. Per group it sums x[m, k] * q[n, k] over the group's k in
 //   registers (the weights are widened to floats as they are loaded, never stored), then folds
 //   the group in: acc += s * (sum - z * sum_k x[m, k]) (int8: acc += s * sum; the x sums per group
-//   are computed once per call). Each weight byte is read once per row tile. The widening is the
-//   tile's main work besides the FMAs; for int4 it uses cpu_vec.h's load_u4_lanes, which leaves the
-//   16 values of a step in whatever lane order is cheapest for the ISA (AVX-512: a broadcast, a
-//   shift and a 16-entry table lookup, no int-to-float conversion); the group's scales and zeros
-//   are put in that order (rows_to_u4) and the finished sums back in row order (u4_to_rows).
+//   are computed once per call). Each weight byte is read once per row tile; the widening is the
+//   tile's main work besides the FMAs (AVX-512 int4: a shift and a vpermps per 16 weights).
 // - 16 rows and more (prefill, big batches): compute-bound, so the vector work of widening must not be
 //   paid per row. Each thread dequantizes a group of 4 panels into a small fp32 buffer in the fp32
 //   kernel's layout (exactly (q - z) * s, or q * s) and runs the fp32 micro-kernel
@@ -47,40 +47,45 @@ namespace {
 // row tile grows with the rows, the dequantization is paid once.
 constexpr int64_t kDequantRows = 16;
 
-// int4: 16 nibbles per k step of a panel, panels one after another.
+// Both layouts: block b of panel j of the group starting at panel g is at
+// g * (K / kSteps) * kBlockBytes + (b * width + j) * kBlockBytes, width the group's panels (4; the
+// last group may have 1-3). Separate streams per panel streamed 1.45x slower on one Zen 4 core
+// than one interleaved stream (cpu_gemm_int8.cpp).
+// int4: a block is 8 k steps of 16 outputs, 16 32-bit words (word n: output n, step i in its
+// bits 4i..4i+3), 64 bytes: cpu_vec.h's load_u4_step widens step i of it.
 struct Int4Format {
   using T = uint8_t;
   static constexpr bool kZero = true;
   static constexpr const char* kName = "uint8 [N/16, K, 8]";
-  static constexpr int64_t kStepBytes = kLanes / 2;
-  // Panel j of the group of `width` panels starting at panel g, and the step between its k steps.
-  static const T* panel(const T* base, int64_t k, int64_t g, int64_t, int64_t j) {
-    return base + (g + j) * k * kStepBytes;
-  }
-  static int64_t panel_stride(int64_t k, int64_t) { return k * kStepBytes; }
-  static int64_t k_stride(int64_t) { return kStepBytes; }
-  static Vec load_lanes(const T* p, int v) { return load_u4_lanes(p, v); }  // in the fused tile's lane order
-  static Vec load_rows(const T* p, int v) { return load_u4(p, v); }  // in row order
-  static Vec to_lanes(Vec a) { return rows_to_u4(a); }
-  static Vec to_rows(Vec a) { return u4_to_rows(a); }
+  static constexpr int kSteps = 8;
+  static constexpr int64_t kBlockBytes = 64, kStepBytes = kBlockBytes / kSteps;
+  static Vec load(const T* block, int v, int i) { return load_u4_step(block, v, i); }
 };
 
-// int8: 16 bytes per k step of a panel, groups of 4 panels interleaved (cpu_gemm_int8.cpp).
+// int8: a block is 1 k step of 16 outputs, 16 bytes (the per-channel int8 kernel's layout).
 struct Int8Format {
   using T = int8_t;
   static constexpr bool kZero = false;
   static constexpr const char* kName = "int8 [N/16, K, 16]";
-  static constexpr int64_t kStepBytes = kLanes;
-  static const T* panel(const T* base, int64_t k, int64_t g, int64_t, int64_t j) {
-    return base + g * k * kLanes + j * kLanes;
-  }
-  static int64_t panel_stride(int64_t, int64_t) { return kLanes; }
-  static int64_t k_stride(int64_t width) { return width * kLanes; }
-  static Vec load_lanes(const T* p, int v) { return load_i8(p + v * kWidth); }
-  static Vec load_rows(const T* p, int v) { return load_i8(p + v * kWidth); }
-  static Vec to_lanes(Vec a) { return a; }
-  static Vec to_rows(Vec a) { return a; }
+  static constexpr int kSteps = 1;
+  static constexpr int64_t kBlockBytes = kLanes, kStepBytes = kBlockBytes;
+  static Vec load(const T* block, int v, int) { return load_i8(block + v * kWidth); }
 };
+
+// How far ahead (in blocks of each panel) the fused tile prefetches its stream into L2: 1 KiB of
+// each panel. Streaming all 30 int4 layers of SmolLM2's shape at one row (2 threads, Zen 4) took
+// ~8% less time with it than without (medians of 6 noisy rounds; 2 KiB was level with 1 KiB).
+template <class F>
+constexpr int64_t kPrefetchBlocks = 1024 / F::kBlockBytes;
+
+// The first block of panel j of the group starting at panel g (see the layouts above).
+template <class F>
+const typename F::T* panel_start(const typename F::T* base, int64_t k, int64_t g, int64_t j) {
+  return base + g * (k / F::kSteps) * F::kBlockBytes + j * F::kBlockBytes;
+}
+// The step from one block of a panel to its next in a group of `width` panels.
+template <class F>
+int64_t stride_of_blocks(int64_t width) { return width * F::kBlockBytes; }
 
 template <class F>
 struct GroupedProblem {
@@ -109,75 +114,80 @@ constexpr int fused_rows() {
 }
 constexpr int64_t kFusedRows = fused_rows();  // AVX-512 4 (x 3 panels), AVX2 3, NEON 3, portable 1
 
-// MR rows at m0 times NR panels from panel p0 (its weights at w, panel j at w + j * panel_stride,
-// k step k at + k * k_stride), fused: see the top.
+// MR rows at m0 times NR panels from panel p0 (its first block at w, panel j's at
+// + j * F::kBlockBytes, block b at + b * block_stride), fused: see the top.
 template <class F, int MR, int NR>
-void fused_tile(const GroupedProblem<F>& pr, int64_t m0, int64_t p0, const typename F::T* w, int64_t panel_stride,
-                int64_t k_stride) {
+void fused_tile(const GroupedProblem<F>& pr, int64_t m0, int64_t p0, const typename F::T* w, int64_t block_stride) {
   constexpr int V = NR * kPanelVecs;
-  const int64_t groups = pr.k / pr.group, panel_groups = groups * kLanes;
+  const int64_t groups = pr.k / pr.group, panel_groups = groups * kLanes, blocks = pr.group / F::kSteps;
   const float* x = pr.x + m0 * pr.ldx;
   Vec acc[MR][V];
 #pragma GCC unroll 16
-  for (int i = 0; i < MR; ++i)
+  for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
-    for (int v = 0; v < V; ++v) acc[i][v] = zero();
+    for (int v = 0; v < V; ++v) acc[r][v] = zero();
   for (int64_t g = 0; g < groups; ++g) {
     Vec part[MR][V];
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i)
+    for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 16
-      for (int v = 0; v < V; ++v) part[i][v] = zero();
-    for (int64_t k = g * pr.group; k < (g + 1) * pr.group; ++k) {
-      Vec xv[MR];
+      for (int v = 0; v < V; ++v) part[r][v] = zero();
+    for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
+      const typename F::T* block = w + b * block_stride;
+      if (b % (64 / F::kBlockBytes) == 0) {  // once per 64-byte line of each panel
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) prefetch_l2(block + kPrefetchBlocks<F> * block_stride + j * F::kBlockBytes);
+      }
+#pragma GCC unroll 8
+      for (int i = 0; i < F::kSteps; ++i) {
+        Vec xv[MR];
 #pragma GCC unroll 16
-      for (int i = 0; i < MR; ++i) xv[i] = broadcast(x[i * pr.ldx + k]);
+        for (int r = 0; r < MR; ++r) xv[r] = broadcast(x[r * pr.ldx + b * F::kSteps + i]);
 #pragma GCC unroll 16
-      for (int v = 0; v < V; ++v) {
-        const Vec wv = F::load_lanes(w + (v / kPanelVecs) * panel_stride + k * k_stride, v % kPanelVecs);
+        for (int v = 0; v < V; ++v) {
+          const Vec wv = F::load(block + (v / kPanelVecs) * F::kBlockBytes, v % kPanelVecs, i);
 #pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) part[i][v] = fmadd(xv[i], wv, part[i][v]);
+          for (int r = 0; r < MR; ++r) part[r][v] = fmadd(xv[r], wv, part[r][v]);
+        }
       }
     }
 #pragma GCC unroll 16
     for (int v = 0; v < V; ++v) {
       const int64_t at = (p0 + v / kPanelVecs) * panel_groups + g * kLanes + (v % kPanelVecs) * kWidth;
-      const Vec s = F::to_lanes(load(pr.scale + at));
+      const Vec s = load(pr.scale + at);
       if constexpr (F::kZero) {
-        const Vec z = F::to_lanes(load(pr.zero + at));
+        const Vec z = load(pr.zero + at);
 #pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) {
-          const Vec t = fmadd(z, broadcast(-pr.xsum[(m0 + i) * groups + g]), part[i][v]);
-          acc[i][v] = fmadd(s, t, acc[i][v]);
+        for (int r = 0; r < MR; ++r) {
+          const Vec t = fmadd(z, broadcast(-pr.xsum[(m0 + r) * groups + g]), part[r][v]);
+          acc[r][v] = fmadd(s, t, acc[r][v]);
         }
       } else {
 #pragma GCC unroll 16
-        for (int i = 0; i < MR; ++i) acc[i][v] = fmadd(s, part[i][v], acc[i][v]);
+        for (int r = 0; r < MR; ++r) acc[r][v] = fmadd(s, part[r][v], acc[r][v]);
       }
     }
   }
 #pragma GCC unroll 16
   for (int v = 0; v < V; ++v) {
     const int64_t n = p0 * kLanes + v * kWidth;
-    const Vec b = pr.bias ? load(pr.bias + n) : zero();
+    const Vec bias = pr.bias ? load(pr.bias + n) : zero();
 #pragma GCC unroll 16
-    for (int i = 0; i < MR; ++i) store(pr.y + (m0 + i) * pr.ldy + n, F::to_rows(acc[i][v]) + b);
+    for (int r = 0; r < MR; ++r) store(pr.y + (m0 + r) * pr.ldy + n, acc[r][v] + bias);
   }
 }
 
 // The group of panels [g, g + 4) ∩ [g, p1) for all m rows through the fused tile.
 template <class F>
 void fused_group(const GroupedProblem<F>& pr, int64_t m, int64_t g, int64_t p1) {
-  const int64_t width = std::min<int64_t>(kGroup, p1 - g);
-  const int64_t panel_stride = F::panel_stride(pr.k, width), k_stride = F::k_stride(width);
+  const int64_t width = std::min<int64_t>(kGroup, p1 - g), block_stride = stride_of_blocks<F>(width);
   for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
     dispatch<static_cast<int>(kFusedRows)>(std::min(kFusedRows, m - m0), [&](auto rows) {
       constexpr int MR = decltype(rows)::value, kNr = fused_panels_max(MR);
       const int64_t tiles = (width + kNr - 1) / kNr, nr = (width + tiles - 1) / tiles;  // even widths
       for (int64_t j = 0; j < width; j += nr)
         dispatch<kNr>(std::min<int64_t>(nr, width - j), [&](auto cols) {
-          fused_tile<F, MR, decltype(cols)::value>(pr, m0, g + j, F::panel(pr.p, pr.k, g, width, j), panel_stride,
-                                                   k_stride);
+          fused_tile<F, MR, decltype(cols)::value>(pr, m0, g + j, panel_start<F>(pr.p, pr.k, g, j), block_stride);
         });
     });
   }
@@ -187,16 +197,19 @@ void fused_group(const GroupedProblem<F>& pr, int64_t m, int64_t g, int64_t p1) 
 // (q - z) * s, or q * s.
 template <class F>
 void dequantize_group(const GroupedProblem<F>& pr, int64_t g, int64_t width, float* out) {
-  const int64_t groups = pr.k / pr.group, k_stride = F::k_stride(width);
+  const int64_t groups = pr.k / pr.group, block_stride = stride_of_blocks<F>(width);
   for (int64_t j = 0; j < width; ++j) {
-    const typename F::T* w = F::panel(pr.p, pr.k, g, width, j);
-    for (int64_t k = 0; k < pr.k; ++k, out += kLanes) {
-      const int64_t at = ((g + j) * groups + k / pr.group) * kLanes;
+    const typename F::T* w = panel_start<F>(pr.p, pr.k, g, j);
+    for (int64_t b = 0; b < pr.k / F::kSteps; ++b) {
+      const typename F::T* block = w + b * block_stride;
+      const int64_t at = ((g + j) * groups + b * F::kSteps / pr.group) * kLanes;
+      for (int i = 0; i < F::kSteps; ++i, out += kLanes) {
 #pragma GCC unroll 4
-      for (int v = 0; v < kPanelVecs; ++v) {
-        Vec q = F::load_rows(w + k * k_stride, v);
-        if constexpr (F::kZero) q = q - load(pr.zero + at + v * kWidth);
-        store(out + v * kWidth, q * load(pr.scale + at + v * kWidth));
+        for (int v = 0; v < kPanelVecs; ++v) {
+          Vec q = F::load(block, v, i);
+          if constexpr (F::kZero) q = q - load(pr.zero + at + v * kWidth);
+          store(out + v * kWidth, q * load(pr.scale + at + v * kWidth));
+        }
       }
     }
   }
@@ -243,6 +256,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
               "packed weight must be a contiguous ", F::kName, " tensor");
   const int64_t panels = packed.size(0), k = packed.size(1), n = panels * kLanes;
   TORCH_CHECK(group_size > 0 && k % group_size == 0, "group_size ", group_size, " must divide K = ", k);
+  TORCH_CHECK(group_size % F::kSteps == 0, "group_size ", group_size, " must be a multiple of ", F::kSteps);
   const float* s = checked_groups(scale, panels, k / group_size, "scale");
   const float* z = zero ? checked_groups(*zero, panels, k / group_size, "zero") : nullptr;
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1 && x.size(-1) == k, "x must be float32 [..., ", k, "]");

@@ -58,31 +58,15 @@ inline Vec load_bf16(const uint16_t* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
-// Vector v of a panel of 16 4-bit values in 8 bytes (lane l: byte l % 8, its high nibble when
-// l >= 8; see load_u4 below) -> floats 0..15 (exact). One vector is the whole panel here.
-inline Vec load_u4(const uint8_t* p, int) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  return {_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)))};
-}
-// load_u4 in "nibble order", for the int4 decode tile, which sums in that order: the 8 bytes
-// broadcast to every 64-bit lane, one variable shift brings lane l's nibble to its low 4 bits and
-// one 16-entry table lookup (vpermps reads only those 4 bits) makes it a float: 2 instructions
-// besides the load, where load_u4 needs 6. Lane l = 2 m + p holds nibble m / 4 of byte
-// 4 p + m % 4, i.e. row 4 p + m % 4 + 8 (m / 4); rows_to_u4 / u4_to_rows convert a row-ordered
-// vector (scales, zeros, sums) to and from that order.
-inline Vec load_u4_lanes(const uint8_t* p, int) {
-  int64_t bits;
-  std::memcpy(&bits, p, 8);
-  const __m512i shifts = _mm512_setr_epi32(0, 0, 8, 8, 16, 16, 24, 24, 4, 4, 12, 12, 20, 20, 28, 28);
+// The 4-bit weights of 16 outputs over 8 k steps as 16 little-endian 32-bit words (word n: output
+// n, k step i in bits 4i..4i+3; int4's layout, csrc/cpu_gemm_grouped.cpp): vector v of step i,
+// as floats 0..15 in output order (exact). AVX-512: one vector is all 16 words; a shift brings
+// nibble i to each lane's low 4 bits and one 16-entry table lookup (vpermps reads only those 4
+// bits) makes it a float, 2 instructions besides the (L1) load.
+inline Vec load_u4_step(const uint8_t* p, int, int i) {
+  const __m512i words = _mm512_loadu_si512(p);
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  return {_mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(bits), shifts), values)};
-}
-inline Vec rows_to_u4(Vec a) {
-  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7, 8, 12, 9, 13, 10, 14, 11, 15), a.v)};
-}
-inline Vec u4_to_rows(Vec a) {
-  return {_mm512_permutexvar_ps(_mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15), a.v)};
+  return {_mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * i), values)};
 }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
@@ -123,17 +107,11 @@ inline Vec load_bf16(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
 }
-// v = 0: the low nibbles of the 8 bytes (lanes 0-7), v = 1: the high ones (lanes 8-15).
-inline Vec load_u4(const uint8_t* p, int v) {
-  __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  if (v) b = _mm_srli_epi16(b, 4);
-  return {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(b, _mm_set1_epi8(0x0F))))};
+// load_u4_step (see the AVX-512 backend): words 8 v .. 8 v + 7, a shift, a mask and a conversion.
+inline Vec load_u4_step(const uint8_t* p, int v, int i) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + v);
+  return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15)))};
 }
-// Row order: the AVX-512 scheme (a broadcast and a shift, here plus a mask and a conversion)
-// measured no faster than load_u4 on AVX2 (benchmarks/int4_decode.py --baseline, Zen 4).
-inline Vec load_u4_lanes(const uint8_t* p, int v) { return load_u4(p, v); }
-inline Vec rows_to_u4(Vec a) { return a; }
-inline Vec u4_to_rows(Vec a) { return a; }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 
 #elif defined(PAGEDLLM_VEC_NEON)
@@ -165,18 +143,12 @@ inline Vec load_i8(const int8_t* p) {
   return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w16)))};
 }
 inline Vec load_bf16(const uint16_t* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
-// v = 0, 1: the low nibbles of bytes 0-3, 4-7 (lanes 0-7); v = 2, 3: their high nibbles.
-inline Vec load_u4(const uint8_t* p, int v) {
-  uint32_t bits;
-  std::memcpy(&bits, p + (v & 1) * 4, 4);
-  uint8x8_t b = vreinterpret_u8_u32(vdup_n_u32(bits));
-  b = (v & 2) ? vshr_n_u8(b, 4) : vand_u8(b, vdup_n_u8(0x0F));
-  return {vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(b))))};
+// load_u4_step (see the AVX-512 backend): words 4 v .. 4 v + 3, a shift, a mask and a conversion.
+inline Vec load_u4_step(const uint8_t* p, int v, int i) {
+  const uint32x4_t words = vld1q_u32(reinterpret_cast<const uint32_t*>(p) + 4 * v);
+  const uint32x4_t q = vandq_u32(vshlq_u32(words, vdupq_n_s32(-4 * i)), vdupq_n_u32(15));
+  return {vcvtq_f32_u32(q)};
 }
-// Nibble order is row order here (see the AVX-512 backend).
-inline Vec load_u4_lanes(const uint8_t* p, int v) { return load_u4(p, v); }
-inline Vec rows_to_u4(Vec a) { return a; }
-inline Vec u4_to_rows(Vec a) { return a; }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 
 #else
@@ -212,14 +184,12 @@ inline Vec load_bf16(const uint16_t* p) {
   std::memcpy(&a.v, bits, sizeof(F4));
   return a;
 }
-inline Vec load_u4(const uint8_t* p, int v) {  // as on NEON
-  const uint8_t* b = p + (v & 1) * 4;
-  const int s = (v & 2) ? 4 : 0;
-  return {F4{float((b[0] >> s) & 15), float((b[1] >> s) & 15), float((b[2] >> s) & 15), float((b[3] >> s) & 15)}};
+inline Vec load_u4_step(const uint8_t* p, int v, int i) {  // as on NEON
+  uint32_t w[4];
+  std::memcpy(w, p + 16 * v, sizeof(w));
+  const int s = 4 * i;
+  return {F4{float((w[0] >> s) & 15), float((w[1] >> s) & 15), float((w[2] >> s) & 15), float((w[3] >> s) & 15)}};
 }
-inline Vec load_u4_lanes(const uint8_t* p, int v) { return load_u4(p, v); }  // row order, as on NEON
-inline Vec rows_to_u4(Vec a) { return a; }
-inline Vec u4_to_rows(Vec a) { return a; }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 #endif
 

@@ -74,7 +74,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 def pack_int8(q: torch.Tensor) -> torch.Tensor:
-    """Q [N, K] -> the kernel's layout: groups of 64 rows (the last 16/32/48 when N % 64), each
+    """Q [N, K] (int8; int4's 32-bit words, ``int4.pack_int4``) -> the kernel's layout: groups of 64
+    rows (the last 16/32/48 when N % 64), each
     transposed to [K, rows] so one k step is one 64-byte line, concatenated and shaped
     [N / 16, K, 16] (``csrc/cpu_gemm_int8.cpp`` explains why)."""
     n, k = q.shape

@@ -65,11 +65,21 @@ def test_smollm_shapes_across_threads_and_batched_input(native):
 
 
 def test_pack_int4_layout_and_roundtrip():
-    q = torch.randint(0, 16, (48, 5), dtype=torch.uint8)
+    q = torch.randint(0, 16, (112, 24), dtype=torch.uint8)  # a full group of 64 outputs and a 3-panel tail
     packed = int4.pack_int4(q)
-    assert packed.shape == (3, 5, 8) and packed.dtype == torch.uint8
-    assert packed[1, 2, 3] == q[16 + 3, 2] | (q[16 + 11, 2] << 4)  # row j low nibble, row j + 8 high
+    assert packed.shape == (7, 24, 8) and packed.dtype == torch.uint8
+    words = packed.reshape(-1).view(torch.int32)
+
+    def word(n: int, b: int) -> int:  # output n's inputs 8 b .. 8 b + 7, input 8 b + i in bits 4i..4i+3
+        return sum(int(q[n, 8 * b + i]) << (4 * i) for i in range(8)) & 0xFFFFFFFF
+
+    # Group 0 (outputs 0-63), 3 blocks of [4 panels x 16 words]; output 16 j + l of block b at (4 b + j) 16 + l.
+    assert int(words[(4 * 2 + 1) * 16 + 5]) & 0xFFFFFFFF == word(16 + 5, 2)
+    # The tail (outputs 64-111, 3 panels) after the 64 x 24 / 8 words of group 0.
+    assert int(words[64 * 3 + (3 * 1 + 2) * 16 + 7]) & 0xFFFFFFFF == word(64 + 32 + 7, 1)
     assert torch.equal(int4.unpack_int4(packed), q)
+    with pytest.raises(ValueError, match="in_features % 8"):
+        int4.pack_int4(torch.zeros(16, 12, dtype=torch.uint8))
     groups = torch.arange(48 * 2, dtype=torch.float32).reshape(48, 2)
     assert int4.pack_groups(groups)[2, 1, 5] == groups[32 + 5, 1]
 

@@ -29,7 +29,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_groups, packable
+from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_groups, pack_int8, packable, unpack_int8
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization import triton_layout
 from pagedllm.layers.quantization.base import (
@@ -51,6 +51,8 @@ DEFAULT_GROUP_SIZE = 128
 # per-group scale and zero (8 bytes) cost more than the packed weights they describe.
 MIN_GROUP_SIZE = 16
 _QMAX = 15
+# Inputs per packed block of the CPU layout (``pack_int4``): a group must hold whole blocks.
+_BLOCK_STEPS = 8
 
 LinearInt4 = Callable[..., torch.Tensor]
 
@@ -96,18 +98,23 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """q [N, K] (0..15) -> the kernel's [N / 16, K, 8] uint8: byte j of panel p at step k holds
-    row 16 p + j in its low nibble and row 16 p + j + 8 in its high one."""
+    """q [N, K] (0..15, K % 8 == 0) -> the kernel's [N / 16, K, 8] uint8: per output, blocks of 8
+    inputs as one little-endian 32-bit word (input 8 b + i in bits 4i..4i+3), the words [N, K / 8]
+    then laid out as ``pack_int8`` lays out bytes (groups of 64 outputs interleaved block by block)."""
     n, k = q.shape
-    halves = q.to(torch.uint8).reshape(n // PANEL, 2, PANEL // 2, k)
-    return (halves[:, 0] | (halves[:, 1] << 4)).transpose(1, 2).contiguous()
+    if k % _BLOCK_STEPS:
+        raise ValueError(f"int4 packing needs in_features % {_BLOCK_STEPS} == 0, got {k}")
+    nibbles = q.to(torch.int32).reshape(n, k // 8, 8) << (4 * torch.arange(8, dtype=torch.int32))
+    words = nibbles.sum(dim=2, dtype=torch.int32)  # the 8 nibbles never overlap: the sum is their OR
+    return pack_int8(words).view(torch.uint8).reshape(n // PANEL, k, 8)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """The inverse of ``pack_int4`` (a new [N, K] uint8 tensor)."""
     panels, k, _ = packed.shape
-    by_row = packed.transpose(1, 2)
-    return torch.stack([by_row & 15, by_row >> 4], dim=1).reshape(panels * PANEL, k)
+    words = unpack_int8(packed.reshape(-1).view(torch.int32).reshape(panels, k // 8, PANEL))
+    nibbles = (words[..., None] >> (4 * torch.arange(8, dtype=torch.int32))) & 15
+    return nibbles.reshape(panels * PANEL, k).to(torch.uint8)
 
 
 def pack_pairs(q: torch.Tensor) -> torch.Tensor:
@@ -162,7 +169,7 @@ class Int4KernelMethod(LinearMethodBase):
             self._kernel = triton_layout.int4_gemm()
             return
         kernel = load_int4_gemm() if q.device.type == "cpu" else None
-        if q.shape[0] % PANEL or kernel is None:
+        if q.shape[0] % PANEL or self.group_size % _BLOCK_STEPS or kernel is None:
             self._fall_back(layer, dequantize(q, scale, zero).to(dtype), perm)
             return
         self._store(layer, pack_int4(q), pack_groups(scale), pack_groups(zero), perm)
@@ -186,7 +193,8 @@ class Int4KernelMethod(LinearMethodBase):
         if perm is not None:
             w = torch.empty_like(w).index_copy_(1, perm, w)  # back to the checkpoint's input order
         logger.warning(
-            "%s kernel not used for a weight of shape %s (needs the CPU kernels and out_features %% 16 == 0, "
+            "%s kernel not used for a weight of shape %s (needs the CPU kernels, out_features %% 16 == 0 and groups "
+            "of a multiple of 8 inputs, "
             "or CUDA with triton); it runs as %s",
             self.format_name,
             tuple(w.shape),
