@@ -18,10 +18,10 @@ LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py read
 # CHECKPOINT_FORMATS): awq and gptq on the int4 kernel, the others converted onto int8 / w8a8 at load.
 CHECKPOINT_QUANT_METHODS = ("awq", "gptq", "fp8", "compressed-tensors", "bitsandbytes")
 # layers/quantization/ (QUANTIZATION_CONFIGS, then the checkpoint formats)
-QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "gguf", *CHECKPOINT_QUANT_METHODS)
-# No CUDA kernel (w8a8), or not tried on a GPU yet (gguf: a GGUF file on CUDA loads dequantized);
+QUANTIZATION_METHODS = ("int8", "w8a8", "int4", "w4a8", "gguf", *CHECKPOINT_QUANT_METHODS)
+# No CUDA kernel (w8a8, w4a8), or not tried on a GPU yet (gguf: a GGUF file on CUDA loads dequantized);
 # the others run Triton kernels on CUDA.
-CPU_ONLY_QUANTIZATION = ("w8a8", "gguf")
+CPU_ONLY_QUANTIZATION = ("w8a8", "w4a8", "gguf")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 DEVICES = ("auto", "cpu", "cuda")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")  # layers/attention/selector.py

@@ -36,6 +36,7 @@ class ModelConfig:
     trust_remote_code: bool
     served_model_name: str
     # None | int8 (weight-only) | w8a8 (int8 weights and activations) | int4 (group-wise weight-only)
+    # | w4a8 (int4 weights, int8 activations) | gguf (a GGUF file's blocks as stored)
     # | a quantized checkpoint's quant_method (CHECKPOINT_QUANT_METHODS, read from config.json); CPU: float32 only;
     # CUDA (Triton kernels): any float dtype, not w8a8
     quantization: str | None = None
@@ -101,8 +102,9 @@ class ModelArgs:
         "int8: weight-only int8 linear layers with per-channel scales: a quarter of the float32 "
         "weight bytes, faster small-batch decode; int4: weight-only group-wise int4 (groups of 128 inputs, "
         "a scale and zero point each): an eighth of the bytes; w8a8 (CPU only): int8 weights and per-token "
-        "int8 activations (int8 dot products), faster large-batch decode and prefill; the LM head stays "
-        "float. CPU: float32 activations, C++ kernels; CUDA: Triton kernels, any float dtype. "
+        "int8 activations (int8 dot products), faster large-batch decode and prefill; w4a8 (CPU only): int4's "
+        "weights with int8 activations per 32 inputs, as llama.cpp's Q4 types; these hold the LM head in int8 "
+        "groups of 32. CPU: float32 activations, C++ kernels; CUDA: Triton kernels, any float dtype. "
         "Quantized checkpoints are detected from config.json's quantization_config (naming their method "
         "here is optional): awq / gptq run on the int4 kernel; fp8, compressed-tensors and bitsandbytes "
         "load onto the int8 layers. A GGUF file loads as gguf by default on CPU (its Q4_0 / Q4_1 / Q4_K "

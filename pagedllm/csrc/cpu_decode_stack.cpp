@@ -25,7 +25,7 @@
 namespace {
 
 // How the stack's linears are stored, one method for all of them (the quant_method of each layer).
-enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2, kInt4 = 3 };
+enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2, kInt4 = 3, kW4A8 = 4 };
 
 // The per-layer tensors, as lists indexed by layer; the linears 4 per layer (qkv, o, gate_up,
 // down), with each one's scale and w8a8 compensation (int4: zero point) where its method has them.
@@ -63,6 +63,9 @@ struct Layers {
         return linear_w8a8(x, linears[at], *scales[at], *comps[at], bias, w8a8_path);
       case Method::kInt4:  // the group size: K over the scale's groups
         return packed_linear_int4(x, linears[at], *scales[at], *comps[at], bias,
+                                  linears[at].size(1) / scales[at]->size(1));
+      case Method::kW4A8:
+        return packed_linear_w4a8(x, linears[at], *scales[at], *comps[at], bias,
                                   linears[at].size(1) / scales[at]->size(1));
       default:
         return packed_linear(x, linears[at], bias);
@@ -117,7 +120,8 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
   TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
                   linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
               "decode_stack_: every per-layer list needs one entry per layer (", n, "), the linears four");
-  TORCH_CHECK(method >= 0 && method <= 3, "decode_stack_: method must be 0 (packed), 1 (int8), 2 (w8a8) or 3 (int4)");
+  TORCH_CHECK(method >= 0 && method <= 4,
+              "decode_stack_: method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4) or 4 (w4a8)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
   TORCH_CHECK(!lora_slots.has_value() || (lora_a.size() == 4 * n && lora_b.size() == 7 * n),
               "decode_stack_: LoRA needs one A per linear and one B per projection (7 per layer)");

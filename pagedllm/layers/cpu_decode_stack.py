@@ -7,7 +7,7 @@ result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
 with the kernels built; every linear of the layers in one method, packed fp32, ``int8``,
-``w8a8`` or the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit) (a bias only
+``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit) or ``w4a8`` (a bias only
 on qkv); one rank, or tensor-parallel ranks joined by the shared-memory
 all-reduce (``distributed/shm_allreduce.py``: the op sums o_proj's and down_proj's outputs over the
 ranks with its C++ protocol, where the modules' RowParallelLinear calls the same op, and a step
@@ -36,6 +36,7 @@ from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.int4 import Int4KernelMethod
 from pagedllm.layers.quantization.int8 import Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
+from pagedllm.layers.quantization.w4a8 import W4A8LinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 from pagedllm.lora.context import current_lora_step
 
@@ -53,7 +54,7 @@ class DecodeStack:
     scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8, int4)
     comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8) or weight_zero (int4)
     qkv_bias: list[torch.Tensor | None]
-    method: int  # 0 packed fp32, 1 int8, 2 w8a8, 3 int4 (csrc/cpu_decode_stack.cpp's Method)
+    method: int  # 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8 (csrc/cpu_decode_stack.cpp's Method)
     kv_cache: list[torch.Tensor]
     windows: list[int]
     final_norm: torch.Tensor
@@ -222,12 +223,13 @@ def _cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
-_PACKED, _INT8, _W8A8, _INT4 = 0, 1, 2, 3
+_PACKED, _INT8, _W8A8, _INT4, _W4A8 = 0, 1, 2, 3, 4
 
 
 def _comp(linear: Any, method: int) -> torch.Tensor | None:
-    """The op's second per-linear tensor: w8a8's compensation, int4's zero points."""
-    return {_W8A8: getattr(linear, "weight_comp", None), _INT4: getattr(linear, "weight_zero", None)}.get(method)
+    """The op's second per-linear tensor: w8a8's compensation, int4's (and w4a8's) zero points."""
+    zero = getattr(linear, "weight_zero", None)
+    return {_W8A8: getattr(linear, "weight_comp", None), _INT4: zero, _W4A8: zero}.get(method)
 
 
 def _method(linear: Any) -> int | None:
@@ -240,7 +242,8 @@ def _method(linear: Any) -> int | None:
     if isinstance(method, Int8LinearMethod):
         return _INT8 if method.quantized else None
     if isinstance(method, Int4KernelMethod):  # packed (not fallen back), no act-order input permutation
-        return _INT4 if linear.weight.dtype == torch.uint8 and linear.weight_perm is None else None
+        code = _W4A8 if isinstance(method, W4A8LinearMethod) else _INT4
+        return code if linear.weight.dtype == torch.uint8 and linear.weight_perm is None else None
     return None
 
 

@@ -36,6 +36,7 @@ class Measurement:
     core_s: float | None = None  # pagedllm: EngineCore.step
     model_s: float | None = None  # pagedllm: forward + LM head inside it
     weights: str = ""  # what the system computes with, e.g. "int4, head int8 g32" or "Q4_0, head Q8_0"
+    own_floor_s: float | None = None  # pagedllm decode: the floor from the bytes its weights are held in
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -45,6 +46,7 @@ class Measurement:
             gflops=self.flops / self.seconds / 1e9,
             floor_tokens_per_s=self.tokens / self.floor_s,
             x_floor=self.floor_s / self.seconds,
+            x_own_floor=None if self.own_floor_s is None else self.own_floor_s / self.seconds,
             engine_overhead=self.overhead(),
         )
         return out
@@ -142,6 +144,7 @@ def measure_decode(
     engine.abort_request(ids)
     ctx = args.decode_prompt_len + 1 + args.warmup_steps + args.decode_steps // 2
     nbytes, flops = machine.decode_cost(cost, [ctx] * batch)
+    held = machine.held_step_bytes(probe.weights_model) + nbytes - cost.weight_bytes  # + the KV cache read
     return Measurement(
         "pagedllm",
         "decode",
@@ -153,6 +156,7 @@ def measure_decode(
         machine.floor_seconds(limits, nbytes, flops),
         statistics.median(core),
         statistics.median(model) if probe.model.calls else None,
+        own_floor_s=machine.floor_seconds(limits, held, flops),
     )
 
 
@@ -298,6 +302,7 @@ def format_results(results: list[Measurement]) -> str:
         "GFLOP/s",
         "floor tok/s",
         "x floor",
+        "x own floor",
         "overhead",
     )
     rows = []
@@ -316,6 +321,7 @@ def format_results(results: list[Measurement]) -> str:
                 d["gflops"],
                 d["floor_tokens_per_s"],
                 d["x_floor"],
+                d["x_own_floor"],
                 None if ovh is None else f"{100 * ovh:.1f}%",
             )
         )

@@ -110,6 +110,23 @@ def model_cost(config: dict[str, Any], dtype: str) -> ModelCost:
     )
 
 
+def held_step_bytes(model: Any) -> int:
+    """The bytes of weights a decode step of ``model`` reads as the engine holds them (packed,
+    quantized: every layer with a ``quant_method``, i.e. the linears and the LM head, with their
+    scales), each tensor once: the yardstick of "its own bandwidth floor" for a quantized method."""
+    seen: set[int] = set()
+    total = 0
+    for module in model.modules():
+        if getattr(module, "quant_method", None) is None:
+            continue
+        for t in [*module._parameters.values(), *module._buffers.values()]:
+            if t is None or t.numel() == 0 or t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
 def decode_cost(cost: ModelCost, context_lens: list[int]) -> tuple[int, int]:
     """(bytes read, flops) of one decode step over sequences with these context lengths."""
     ctx = sum(context_lens)

@@ -22,12 +22,14 @@ from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.int4 import Int4Config
 from pagedllm.layers.quantization.int8 import Int8Config
 from pagedllm.layers.quantization.unquantized import UnquantizedConfig, UnquantizedLinearMethod
+from pagedllm.layers.quantization.w4a8 import W4A8Config
 from pagedllm.layers.quantization.w8a8 import W8A8Config
 
 QUANTIZATION_CONFIGS: dict[str, type[QuantizationConfig]] = {
     "int8": Int8Config,
     "w8a8": W8A8Config,
     "int4": Int4Config,
+    "w4a8": W4A8Config,
     "gguf": GGUFConfig,
 }
 QUANTIZATION_METHODS = (*QUANTIZATION_CONFIGS, *CHECKPOINT_FORMATS)

@@ -13,7 +13,8 @@ checkpoint that happens as each tensor streams in (``Int4Config.quantize_on_load
 of the model exists; random (``dummy``) weights are quantized after filling. Checkpoint formats
 hand ``finish_int4`` their integer weights, zeros and scales instead.
 A layer the kernel cannot take (out_features % 16, no kernel build) keeps a float32 weight,
-the dequantized one for a checkpoint, with a warning. The LM head stays float32 (as for int8).
+the dequantized one for a checkpoint, with a warning. The LM head is in int8 groups of 32 (as for
+int8: ``int8_groups``).
 
 On a CUDA device the same integer weights are held in the CUDA layout instead and run the Triton
 kernel (``triton_layout.py``): any out_features, float16 / bfloat16 / float32 activations.
@@ -168,12 +169,16 @@ class Int4KernelMethod(LinearMethodBase):
             self._store(layer, triton_layout.pack_int4(q), *triton_layout.int4_group_params(scale, zero), perm)
             self._kernel = triton_layout.int4_gemm()
             return
-        kernel = load_int4_gemm() if q.device.type == "cpu" else None
+        kernel = self.cpu_kernel() if q.device.type == "cpu" else None
         if q.shape[0] % PANEL or self.group_size % _BLOCK_STEPS or kernel is None:
             self._fall_back(layer, dequantize(q, scale, zero).to(dtype), perm)
             return
         self._store(layer, pack_int4(q), pack_groups(scale), pack_groups(zero), perm)
         self._kernel = kernel
+
+    def cpu_kernel(self) -> LinearInt4 | None:
+        """The CPU op that runs the packed int4 weights (None: not built)."""
+        return load_int4_gemm()
 
     def _store(
         self,
@@ -234,7 +239,7 @@ class Int4LinearMethod(Int4KernelMethod, QuantizesOnLoad):
         layer.register_buffer("weight_perm", None, persistent=False)
 
     def can_take(self, w: torch.Tensor) -> bool:
-        return packable(w) and load_int4_gemm() is not None
+        return packable(w) and self.cpu_kernel() is not None
 
     def on_load_method(self) -> LinearMethodBase:
         return Int4OnLoadMethod(self)

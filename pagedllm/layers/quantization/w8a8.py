@@ -13,9 +13,8 @@ after loading the float checkpoint. Activations: per token, symmetric, dynamic (
 the kernel): sx = max|x_m| / 127, qx = round(x * 127 / max|x_m|) (``quantize_per_token`` is the
 same formula in torch, the tests' reference). Each activation's error is at most sx / 2.
 
-The LM head stays float32: its logits are what sampling and logprobs read, one token's row of
-int8 noise there moves every logprob at once, and in tied-embedding models (SmolLM) it shares its
-weight with the embedding table, so quantizing it would cost a second copy.
+The LM head is weight-only int8 in groups of 32 (``int8_groups``, float activations: its logits are
+what sampling and logprobs read); the embedding lookups keep the float32 table.
 """
 
 from __future__ import annotations
