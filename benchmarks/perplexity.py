@@ -2,7 +2,7 @@
 default (its Q4_1 linears kept 4-bit), int8, int4 and w8a8 against transformers (the float32 reference) and llama.cpp computing with the GGUF's own
 Q4_1 weights.
 
-    python -m benchmarks.perplexity [--gguf FILE] [--methods fp32 gguf int8 int4 w8a8] [--no-llama-cpp]
+    python -m benchmarks.perplexity [--gguf FILE] [--methods fp32 gguf int8 int4 w4a8 w8a8] [--no-llama-cpp]
 
 The text (``benchmarks/perplexity_text.txt``, plain prose written for this benchmark, ~1250
 tokens of SmolLM2's tokenizer) is one sequence, tokenized once by pagedllm's tokenizer (no BOS:
@@ -16,9 +16,9 @@ Systems, all on the same file (default: SmolLM2-135M-Instruct.Q4_1.gguf from ``p
 * pagedllm fp32: ``--quantization none``, the same dequantized weights (its row must equal
   transformers' to rounding); its per-token log-probabilities come from ``prompt_logprobs``.
 * pagedllm gguf: the default load, the file's Q4_1 linears on the int4 kernel as stored (the
-  embedding and LM head dequantized to float32).
-* pagedllm int8 / int4 / w8a8: ``--quantization``, requantized at load from those float32
-  weights (the LM head stays float32).
+  embedding dequantized to float32, the Q8_0 LM head in int8 groups of 32: exactly the file's).
+* pagedllm int8 / int4 / w4a8 / w8a8: ``--quantization``, requantized at load from those float32
+  weights (the LM head in int8 groups of 32, which gives this file's Q8_0 head back exactly).
 * llama.cpp Q4_1 (with ``llama-cpp-python``): the file itself, Q4_1 weights multiplied with
   8-bit activations (its Q8_0 embedding is also its LM head).
 
@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 TEXT = Path(__file__).with_name("perplexity_text.txt")
-METHODS = ("fp32", "gguf", "int8", "int4", "w8a8")
+METHODS = ("fp32", "gguf", "int8", "int4", "w4a8", "w8a8")
 
 
 @dataclass

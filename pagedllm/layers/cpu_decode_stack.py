@@ -36,7 +36,6 @@ from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.int4 import Int4KernelMethod
 from pagedllm.layers.quantization.int8 import Int8LinearMethod
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
-from pagedllm.layers.quantization.w4a8 import W4A8LinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 from pagedllm.lora.context import current_lora_step
 
@@ -242,7 +241,7 @@ def _method(linear: Any) -> int | None:
     if isinstance(method, Int8LinearMethod):
         return _INT8 if method.quantized else None
     if isinstance(method, Int4KernelMethod):  # packed (not fallen back), no act-order input permutation
-        code = _W4A8 if isinstance(method, W4A8LinearMethod) else _INT4
+        code = _W4A8 if method.int8_activations else _INT4
         return code if linear.weight.dtype == torch.uint8 and linear.weight_perm is None else None
     return None
 

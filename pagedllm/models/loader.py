@@ -51,7 +51,9 @@ def load_model(
     (``layers/quantization``; None: float), e.g. "int8": applied after loading, GGUF included.
     A pre-quantized checkpoint (config.json's quantization_config) loads in its own format."""
     quantization = resolve_quantization(quantization, arch)
-    quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"), arch.extra)
+    # Random weights of a GGUF file's shape read no file: no blocks to keep (w4a8 quantizes them instead).
+    file_facts = {k: v for k, v in arch.extra.items() if load_format != "dummy" or not k.startswith("gguf")}
+    quant_config = get_quantization_config(quantization, arch.extra.get("quantization_config"), file_facts)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; choose one of: {', '.join(LOAD_FORMATS)}")
     # awq / gptq dummy weights are random packed bits; the converting formats need real tensors.
@@ -84,7 +86,7 @@ def _checkpoint_weights(
     if model_dir is not None and (load_format == "gguf" or is_gguf_file(model_dir)):
         path = resolve_checkpoint(model_dir, load_format)
         header = read_metadata(path)  # a bad file is refused before the model is allocated
-        return lambda keep: iterate_gguf(path, arch, keep, header, keep_4bit=quantization == "gguf")
+        return lambda keep: iterate_gguf(path, arch, keep, header, keep_4bit=quantization in ("gguf", "w4a8"))
     files = _checkpoint_files(model_dir)
     return lambda keep: iterate_safetensors(files, keep)
 

@@ -8,7 +8,8 @@ import torch
 
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization import building_with, get_quantization_config, int4
-from pagedllm.layers.quantization.w4a8 import W4A8LinearMethod, load_w4a8_gemm
+from pagedllm.layers.quantization.int4 import load_w4a8_gemm
+from pagedllm.layers.quantization.w4a8 import W4A8LinearMethod
 from tests.layers.int4_reference import as_tensor, dequantize, random_int4
 
 ROWS = [1, 2, 3, 4, 5, 7, 16, 17, 64]

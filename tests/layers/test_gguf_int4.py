@@ -19,6 +19,7 @@ from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod, q4_t
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
 from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+from pagedllm.layers.quantization.w4a8 import W4A8LinearMethod
 
 gguf = pytest.importorskip("gguf")
 from gguf.constants import GGMLQuantizationType  # noqa: E402
@@ -186,3 +187,24 @@ def test_random_weights_of_a_gguf_shape_load_float(q4_1_gguf: Path, llama_model_
 def test_gguf_quantization_on_a_safetensors_model_is_a_value_error(llama_model_dir: Path) -> None:
     with pytest.raises(ValueError, match="quantization='gguf' keeps a GGUF file's 4-bit linears .* not a .gguf file"):
         LLM(str(llama_model_dir), quantization="gguf")
+
+
+def test_w4a8_on_a_gguf_file_keeps_its_blocks_with_int8_activations(
+    q4_1_q8_head_gguf: Path, llama_model_dir: Path
+) -> None:
+    path = str(q4_1_q8_head_gguf)
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    prompt = {"prompt_token_ids": [5, 17, 99, 3, 250, 42, 7, 7]}
+    logprobs = {}
+    for name in ("gguf", "w4a8"):
+        llm = LLM(path, tokenizer=str(llama_model_dir), quantization=name, kv_cache_memory=0.05, max_model_len=64)
+        methods = {m.quant_method for m in _model(llm).model.layers.modules() if hasattr(m, "quant_method")}
+        assert all(isinstance(m, GGUFLinearMethod) and m.int8_activations == (name == "w4a8") for m in methods)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+        logprobs[name] = [next(iter(p.values())).logprob for p in out.prompt_logprobs[1:]]
+        del llm
+    diff = max(abs(a - b) for a, b in zip(logprobs["gguf"], logprobs["w4a8"]))
+    assert 0 < diff < 0.2  # the file's weights, the activations rounded to int8
+    dummy = LLM(path, tokenizer=str(llama_model_dir), load_format="dummy", quantization="w4a8", kv_cache_memory=0.05)
+    methods = {type(m.quant_method) for m in _model(dummy).model.layers.modules() if hasattr(m, "quant_method")}
+    assert methods == {W4A8LinearMethod}  # random float weights, quantized

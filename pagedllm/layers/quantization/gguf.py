@@ -102,8 +102,9 @@ class GGUFLinearMethod(Int4KernelMethod):
 
     format_name = "gguf"
 
-    def __init__(self) -> None:
+    def __init__(self, int8_activations: bool = False) -> None:
         super().__init__()
+        self.int8_activations = int8_activations  # w4a8 on a GGUF file: the blocks with int8 activations
         self.float_parts: set[Any] = set()
         self.q4_parts: set[Any] = set()
         self.converted = False
@@ -167,15 +168,15 @@ class GGUFConfig(QuantizationConfig):
 
     name = "gguf"
 
-    def __init__(self, quantized_head: bool = True) -> None:
-        self.quantized_head = quantized_head
+    def __init__(self, quantized_head: bool = True, int8_activations: bool = False) -> None:
+        self.quantized_head, self.int8_activations = quantized_head, int8_activations
 
     @classmethod
     def for_model(cls, model_extra: Mapping[str, Any]) -> QuantizationConfig:
         return cls(quantized_head=bool(model_extra.get("gguf_head_quantized", True)))
 
     def get_linear_method(self) -> LinearMethodBase:
-        return GGUFLinearMethod()
+        return GGUFLinearMethod(self.int8_activations)
 
     def get_lm_head_method(self) -> LinearMethodBase:
         return GroupedInt8HeadMethod() if self.quantized_head else UnquantizedLinearMethod()

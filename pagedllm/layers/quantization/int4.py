@@ -66,6 +66,14 @@ def load_int4_gemm() -> LinearInt4 | None:
     return None if ops is None else ops.packed_linear_int4.default
 
 
+@lru_cache(maxsize=1)
+def load_w4a8_gemm() -> LinearInt4 | None:
+    """``packed_linear_w4a8(x, packed, scale, zero, bias, group_size)`` (the same weights, int8
+    activations: ``w4a8.py``) of the selected build, or None when the kernels are disabled or failed."""
+    ops = cpu_ops()
+    return None if ops is None else ops.packed_linear_w4a8.default
+
+
 def choose_group_size(in_features: int, preferred: int = DEFAULT_GROUP_SIZE) -> int:
     """The largest power of two <= ``preferred`` dividing ``in_features`` (at least 16)."""
     group = preferred
@@ -147,6 +155,8 @@ class Int4KernelMethod(LinearMethodBase):
     act-order) reorders the inputs so that each group's are contiguous: x[..., perm] is used."""
 
     format_name = "int4"
+    # Whether the CPU op quantizes the activations to int8 (``w4a8.py``) instead of keeping them float.
+    int8_activations = False
 
     def __init__(self) -> None:
         self.group_size = 0
@@ -178,7 +188,7 @@ class Int4KernelMethod(LinearMethodBase):
 
     def cpu_kernel(self) -> LinearInt4 | None:
         """The CPU op that runs the packed int4 weights (None: not built)."""
-        return load_int4_gemm()
+        return load_w4a8_gemm() if self.int8_activations else load_int4_gemm()
 
     def _store(
         self,

@@ -13,41 +13,40 @@ Where it pays: from a few rows on, where the float int4 tile is bound by widenin
 are bound by reading the weights and run level. The cost is the activations' rounding (each
 within xs / 2 of its value), on top of int4's weight error; ``int4`` keeps float activations and
 equals a float matmul on its dequantized weights. The LM head is in int8 groups of 32, as for
-int4. CPU only.
+int4. On a GGUF file the method keeps the file's Q4_0 / Q4_1 / Q4_K blocks as ``gguf`` does (no
+requantization) and runs them with int8 activations, as llama.cpp does. CPU only.
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+from collections.abc import Mapping
+from typing import Any
 
-from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
-from pagedllm.layers.quantization.int4 import Int4LinearMethod, LinearInt4
+from pagedllm.layers.quantization.gguf import GGUFConfig
+from pagedllm.layers.quantization.int4 import Int4LinearMethod
 from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
-
-
-@lru_cache(maxsize=1)
-def load_w4a8_gemm() -> LinearInt4 | None:
-    """``packed_linear_w4a8(x, packed, scale, zero, bias, group_size)`` of the selected build, or
-    None when the CPU kernels are disabled or the build failed."""
-    ops = cpu_ops()
-    return None if ops is None else ops.packed_linear_w4a8.default
 
 
 class W4A8LinearMethod(Int4LinearMethod):
     """int4's weights (``Int4LinearMethod``) run by the int8-activation op."""
 
     format_name = "w4a8"
-
-    def cpu_kernel(self) -> LinearInt4 | None:
-        return load_w4a8_gemm()
+    int8_activations = True
 
 
 class W4A8Config(QuantizationConfig):
-    """W4A8 for the transformer's linears; the LM head in int8 groups of 32 (``int8_groups``)."""
+    """W4A8 for the transformer's linears; the LM head in int8 groups of 32 (``int8_groups``). On
+    a GGUF file, its 4-bit blocks as stored (``GGUFConfig`` with int8 activations), not requantized."""
 
     name = "w4a8"
     quantize_on_load = W4A8LinearMethod
+
+    @classmethod
+    def for_model(cls, model_extra: Mapping[str, Any]) -> QuantizationConfig:
+        if "gguf_file" in model_extra:
+            return GGUFConfig(bool(model_extra.get("gguf_head_quantized", True)), int8_activations=True)
+        return cls()
 
     def get_linear_method(self) -> LinearMethodBase:
         return W4A8LinearMethod()
