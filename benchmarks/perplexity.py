@@ -1,5 +1,5 @@
 """Perplexity of the default model on a fixed English text: pagedllm in float32, as loaded by
-default (its Q4_1 linears kept 4-bit), int8, int4 and w8a8 against transformers (the float32 reference) and llama.cpp computing with the GGUF's own
+default (its Q4_1 linears kept 4-bit), int8, int4, w4a8 and w8a8 against transformers (the float32 reference) and llama.cpp computing with the GGUF's own
 Q4_1 weights.
 
     python -m benchmarks.perplexity [--gguf FILE] [--methods fp32 gguf int8 int4 w4a8 w8a8] [--no-llama-cpp]
@@ -17,8 +17,9 @@ Systems, all on the same file (default: SmolLM2-135M-Instruct.Q4_1.gguf from ``p
   transformers' to rounding); its per-token log-probabilities come from ``prompt_logprobs``.
 * pagedllm gguf: the default load, the file's Q4_1 linears on the int4 kernel as stored (the
   embedding dequantized to float32, the Q8_0 LM head in int8 groups of 32: exactly the file's).
-* pagedllm int8 / int4 / w4a8 / w8a8: ``--quantization``, requantized at load from those float32
+* pagedllm int8 / int4 / w8a8: ``--quantization``, requantized at load from those float32
   weights (the LM head in int8 groups of 32, which gives this file's Q8_0 head back exactly).
+* pagedllm w4a8: the file's Q4_1 blocks as stored, with int8 activations per 32 inputs (as llama.cpp).
 * llama.cpp Q4_1 (with ``llama-cpp-python``): the file itself, Q4_1 weights multiplied with
   8-bit activations (its Q8_0 embedding is also its LM head).
 
