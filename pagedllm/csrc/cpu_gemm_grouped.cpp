@@ -39,7 +39,7 @@
 // AVX-512 VNNI vpdpbusd (unsigned weights x signed activations), AVX-VNNI, or vpmaddubsw + vpmaddwd
 // (products <= 15 * 127, pairs < 2^15: no saturation); Arm vdotq_s32, or vmull_s8 + pairwise
 // adds; scalar in the portable build. Per run: acc += s * xs * (sum - z * sum_k xq). One tile
-// serves every row count (4 rows at a time), about 5 vector instructions per 128 weights and row
+// serves every row count (the fused tile's shapes), about 5 vector instructions per 128 weights and row
 // instead of the float tile's 24: faster at every batch, at the activations' rounding error.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -128,6 +128,30 @@ constexpr int fused_rows() {
 }
 constexpr int64_t kFusedRows = fused_rows();  // AVX-512 4 (x 3 panels), AVX2 3, NEON 3, portable 1
 
+// Every element of a tile's register array set to value.
+template <int MR, int V, class T>
+inline void fill(T (&a)[MR][V], T value) {
+#pragma GCC unroll 16
+  for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 16
+    for (int v = 0; v < V; ++v) a[r][v] = value;
+}
+
+// The tiles over all m rows of a group of `width` panels: row tiles of up to kFusedRows rows, each
+// across the group in as few panel tiles of even widths as fused_panels_max allows;
+// tile(rows, cols, m0, j) runs rows x cols (integral constants) at row m0 and panel j of the group.
+template <class Tile>
+void group_tiles(int64_t m, int64_t width, Tile&& tile) {
+  for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
+    dispatch<static_cast<int>(kFusedRows)>(std::min(kFusedRows, m - m0), [&](auto rows) {
+      constexpr int kNr = fused_panels_max(decltype(rows)::value);
+      const int64_t tiles = (width + kNr - 1) / kNr, nr = (width + tiles - 1) / tiles;
+      for (int64_t j = 0; j < width; j += nr)
+        dispatch<kNr>(std::min<int64_t>(nr, width - j), [&](auto cols) { tile(rows, cols, m0, j); });
+    });
+  }
+}
+
 // MR rows at m0 times NR panels from panel p0 (its first block at w, panel j's at
 // + j * F::kBlockBytes, block b at + b * block_stride), fused: see the top.
 template <class F, int MR, int NR>
@@ -136,16 +160,10 @@ void fused_tile(const GroupedProblem<F>& pr, int64_t m0, int64_t p0, const typen
   const int64_t groups = pr.k / pr.group, panel_groups = groups * kLanes, blocks = pr.group / F::kSteps;
   const float* x = pr.x + m0 * pr.ldx;
   Vec acc[MR][V];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-    for (int v = 0; v < V; ++v) acc[r][v] = zero();
+  fill(acc, zero());
   for (int64_t g = 0; g < groups; ++g) {
     Vec part[MR][V];
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-      for (int v = 0; v < V; ++v) part[r][v] = zero();
+    fill(part, zero());
     for (int64_t b = g * blocks; b < (g + 1) * blocks; ++b) {
       const typename F::T* block = w + b * block_stride;
       if (b % (64 / F::kBlockBytes) == 0) {  // once per 64-byte line of each panel
@@ -195,16 +213,10 @@ void fused_tile(const GroupedProblem<F>& pr, int64_t m0, int64_t p0, const typen
 template <class F>
 void fused_group(const GroupedProblem<F>& pr, int64_t m, int64_t g, int64_t p1) {
   const int64_t width = std::min<int64_t>(kGroup, p1 - g), block_stride = stride_of_blocks<F>(width);
-  for (int64_t m0 = 0; m0 < m; m0 += kFusedRows) {
-    dispatch<static_cast<int>(kFusedRows)>(std::min(kFusedRows, m - m0), [&](auto rows) {
-      constexpr int MR = decltype(rows)::value, kNr = fused_panels_max(MR);
-      const int64_t tiles = (width + kNr - 1) / kNr, nr = (width + tiles - 1) / tiles;  // even widths
-      for (int64_t j = 0; j < width; j += nr)
-        dispatch<kNr>(std::min<int64_t>(nr, width - j), [&](auto cols) {
-          fused_tile<F, MR, decltype(cols)::value>(pr, m0, g + j, panel_start<F>(pr.p, pr.k, g, j), block_stride);
-        });
-    });
-  }
+  group_tiles(m, width, [&](auto rows, auto cols, int64_t m0, int64_t j) {
+    fused_tile<F, decltype(rows)::value, decltype(cols)::value>(pr, m0, g + j, panel_start<F>(pr.p, pr.k, g, j),
+                                                                block_stride);
+  });
 }
 
 // The group of panels from g (width of them) as fp32 panels [width, K, 16] in out: exactly
@@ -391,31 +403,17 @@ struct W4A8Problem {
   int64_t k, group, run, ldy;
 };
 
-// Vector registers of an MR x NR tile: the int32 sums and the float accumulators, a block's words
-// and its two nibble vectors.
-constexpr int w4a8_registers(int mr, int nr) { return 2 * mr * nr * kPanelVecs + 3; }
-constexpr int w4a8_panels(int mr) {
-  int nr = kGroup;
-  while (nr > 1 && w4a8_registers(mr, nr) > kRegisters) --nr;
-  return nr;
-}
-constexpr int64_t kW4A8Rows = w4a8_registers(4, 1) <= kRegisters ? 4 : 2;  // AVX-512, NEON 4 (x 3 panels), AVX2 2
-
+// The tile shapes are the fused tile's (fused_registers): the int32 sums take the place of the
+// group's float sums, the words and their two nibble vectors that of the broadcasts.
 template <int MR, int NR>
 void w4a8_tile(const W4A8Problem& pr, int64_t m0, int64_t p0, const uint8_t* w, int64_t block_stride) {
   constexpr int V = NR * kPanelVecs;
   const int64_t runs = pr.k / pr.run, run_blocks = pr.run / 8, groups = pr.k / pr.group;
   Vec acc[MR][V];
-#pragma GCC unroll 16
-  for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-    for (int v = 0; v < V; ++v) acc[r][v] = zero();
+  fill(acc, zero());
   for (int64_t c = 0; c < runs; ++c) {
     IVec sum[MR][V];
-#pragma GCC unroll 16
-    for (int r = 0; r < MR; ++r)
-#pragma GCC unroll 16
-      for (int v = 0; v < V; ++v) sum[r][v] = izero();
+    fill(sum, izero());
     for (int64_t b = c * run_blocks; b < (c + 1) * run_blocks; ++b) {
       const uint8_t* block = w + b * block_stride;
       int32_t xe[MR], xo[MR];
@@ -457,17 +455,10 @@ void w4a8_tile(const W4A8Problem& pr, int64_t m0, int64_t p0, const uint8_t* w, 
 // The group of panels [g, g + 4) ∩ [g, p1) for all m rows.
 void w4a8_group(const W4A8Problem& pr, int64_t m, int64_t g, int64_t p1) {
   const int64_t width = std::min<int64_t>(kGroup, p1 - g), block_stride = stride_of_blocks<Int4Format>(width);
-  for (int64_t m0 = 0; m0 < m; m0 += kW4A8Rows) {
-    dispatch<static_cast<int>(kW4A8Rows)>(std::min(kW4A8Rows, m - m0), [&](auto rows) {
-      constexpr int MR = decltype(rows)::value, kNr = w4a8_panels(MR);
-      const int64_t tiles = (width + kNr - 1) / kNr, nr = (width + tiles - 1) / tiles;
-      for (int64_t j = 0; j < width; j += nr)
-        dispatch<kNr>(std::min<int64_t>(nr, width - j), [&](auto cols) {
-          w4a8_tile<MR, decltype(cols)::value>(pr, m0, g + j, panel_start<Int4Format>(pr.p, pr.k, g, j),
-                                               block_stride);
-        });
-    });
-  }
+  group_tiles(m, width, [&](auto rows, auto cols, int64_t m0, int64_t j) {
+    w4a8_tile<decltype(rows)::value, decltype(cols)::value>(pr, m0, g + j, panel_start<Int4Format>(pr.p, pr.k, g, j),
+                                                            block_stride);
+  });
 }
 
 // Row m of x [K] -> xq (every 8 inputs: the even ones, then the odd), and per run of A inputs its
