@@ -103,3 +103,22 @@ def test_engine_runs_w4a8_close_to_int4(llama_model_dir):
         del llm
     diff = np.abs(np.array(logprobs["w4a8"]) - np.array(logprobs["int4"]))
     assert 0 < diff.max() < 0.2, diff  # the same model up to the activations' rounding
+
+
+def test_smollm_shapes_across_threads_and_extreme_inputs(native):
+    rng = np.random.default_rng(1)
+    q, scale, zero, g_idx = random_int4(960, 576, 64, rng)  # enough bytes to use both threads
+    w = dequantize(q, scale, zero, g_idx).astype(np.float64)
+    for rows in (1, 4, 64):
+        x = rng.standard_normal((rows, 576)).astype(np.float32)
+        got = _run(native, x, q, scale, zero, None, 64)
+        np.testing.assert_allclose(got, _quantized_activations(x, 64) @ w.T, rtol=1e-4, atol=1e-3)
+    # A run of subnormals quantizes to zeros and a run holding inf propagates (no undefined
+    # float-to-int conversion in either).
+    x = rng.standard_normal((2, 576)).astype(np.float32)
+    x[0, :32] = 1e-39
+    x[1, 32:64] = np.inf
+    got = _run(native, x, q, scale, zero, None, 64)
+    assert not np.isfinite(got[1]).all()
+    x[0, :32] = 0.0
+    np.testing.assert_allclose(got[:1], _quantized_activations(x[:1], 64) @ w.T, rtol=1e-4, atol=1e-3)

@@ -209,20 +209,20 @@ def run_pagedllm(
     results = [measure_prefill(engine, probe, args, cost, limits, rng, vocab)]
     for batch in args.batch_sizes:
         results.append(measure_decode(engine, probe, args, batch, cost, limits, rng, vocab))
+    weights = pagedllm_weights(args, probe.weights_model)
     del engine, probe
     gc.collect()
-    return [dataclasses.replace(m, weights=pagedllm_weights(args)) for m in results]
+    return [dataclasses.replace(m, weights=weights) for m in results]
 
 
-def pagedllm_weights(args: argparse.Namespace) -> str:
-    """What pagedllm computes with, for the tables: the method and its LM head's form."""
-    from pagedllm.layers.quantization import get_quantization_config
+def pagedllm_weights(args: argparse.Namespace, model: Any) -> str:
+    """What pagedllm computes with, for the tables: the method and its LM head's form (as built)."""
     from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 
     dtype = canonical_dtype(args.dtype)
     if args.quantization in (None, "none"):
         return dtype
-    head = get_quantization_config(args.quantization).get_lm_head_method()
+    head = getattr(getattr(model, "lm_head", None), "quant_method", None)
     return f"{args.quantization}, head {'int8 g32' if isinstance(head, GroupedInt8HeadMethod) else dtype}"
 
 

@@ -18,6 +18,7 @@ filled lazily (an unused form never allocates), and ``process_weights_after_load
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any, cast
 
@@ -29,6 +30,8 @@ from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConf
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
 from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+
+logger = logging.getLogger(__name__)
 
 GROUP = 32
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -146,6 +149,12 @@ class GGUFLinearMethod(Int4KernelMethod):
             return
         if q4 is not None:  # a fused projection with parts of both kinds: all float
             self._fill_float(layer, dequantize(*q4))
+        if self.int8_activations:
+            logger.warning(
+                "w4a8: a linear with outputs %s is not stored in a 4-bit block type (Q4_0 / Q4_1 / Q4_K) in the "
+                "GGUF file; it runs as float32 with float activations (the decode stack then stays off)",
+                self.output_sizes,
+            )
         method = UnquantizedLinearMethod()
         cast(Any, layer).quant_method = method
         method.process_weights_after_loading(layer)

@@ -10,7 +10,7 @@ Measured on the SmolLM-135M-shaped dummy model (2-core Zen 4, one process, inter
 step at batch 1 takes 10.9 ms instead of 20.4 (1.9x), at 16 rows 1.1x, at 64 rows 1.03x; the
 30 layers' linears alone are ~2.9x faster at 1 row and level with fp32 at 256 rows. Widening the
 weights costs vector work, so once the GEMM is compute-bound (large batches, prefill) int8 buys
-memory, not speed. Weights: 334 MB instead of 652 (the linears 106 MB instead of 425).
+memory, not speed. The linears: 106 MB instead of 425 (measured with the LM head still float32).
 
 On a CUDA device the method holds Q^T [K, N] instead and runs the Triton kernel
 (``triton_layout.py``): any out_features, float16 / bfloat16 / float32 activations.

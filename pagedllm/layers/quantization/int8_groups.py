@@ -39,6 +39,7 @@ logger = logging.getLogger(__name__)
 
 GROUP = 32
 _QMAX = 127
+_CHUNK_ROWS = 4096  # rows quantized at a time (a 128k-vocab head is not copied in float32 at once)
 
 GroupedInt8Gemm = Callable[..., torch.Tensor]
 
@@ -56,11 +57,15 @@ def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
     per group of G inputs (Q8_0's rule: scale = max|w| / 127, q = round(w / scale)). A group of
     zeros gets scale 0 and q 0."""
     n, k = w.shape
-    groups = w.float().reshape(n, k // group, group)
-    scale = groups.abs().amax(dim=2) / _QMAX
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = torch.round(groups / safe[..., None]).clamp_(-_QMAX, _QMAX).to(torch.int8)
-    return q.reshape(n, k), scale.contiguous()
+    q = torch.empty(n, k, dtype=torch.int8)
+    scale = torch.empty(n, k // group, dtype=torch.float32)
+    for start in range(0, n, _CHUNK_ROWS):  # float temporaries of a chunk only, not of the whole head
+        groups = w[start : start + _CHUNK_ROWS].float().reshape(-1, k // group, group)
+        s = groups.abs().amax(dim=2) / _QMAX
+        safe = torch.where(s > 0, s, torch.ones_like(s))
+        q[start : start + _CHUNK_ROWS] = torch.round(groups / safe[..., None]).clamp_(-_QMAX, _QMAX).reshape(-1, k)
+        scale[start : start + _CHUNK_ROWS] = s
+    return q, scale
 
 
 def dequantize_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ Where it pays: from a few rows on, where the float int4 tile is bound by widenin
 are bound by reading the weights and run level. The cost is the activations' rounding (each
 within xs / 2 of its value), on top of int4's weight error; ``int4`` keeps float activations and
 equals a float matmul on its dequantized weights. The LM head is in int8 groups of 32, as for
-int4. On a GGUF file the method keeps the file's Q4_0 / Q4_1 / Q4_K blocks as ``gguf`` does (no
+int4 (float where that kernel cannot take it, and on a GGUF file whose head is float). On a GGUF file the method keeps the file's Q4_0 / Q4_1 / Q4_K blocks as ``gguf`` does (no
 requantization) and runs them with int8 activations, as llama.cpp does. CPU only.
 """
 
