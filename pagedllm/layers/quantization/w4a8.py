@@ -15,6 +15,11 @@ within xs / 2 of its value), on top of int4's weight error; ``int4`` keeps float
 equals a float matmul on its dequantized weights. The LM head is in int8 groups of 32, as for
 int4 (float where that kernel cannot take it, and on a GGUF file whose head is float). On a GGUF file the method keeps the file's Q4_0 / Q4_1 / Q4_K blocks as ``gguf`` does (no
 requantization) and runs them with int8 activations, as llama.cpp does. CPU only.
+
+Why it is not the default for GGUF files: the rounding flips near-ties. Asked "What is the capital
+of France?" (chat template, greedy), SmolLM2-135M-Instruct's first token is nearly a tie ("The"
+-1.88, "L" -1.96 with float activations); ``gguf`` answers "The capital of France is Paris." as
+transformers does, while w4a8 answers "L'Étoile, ...", as llama.cpp does on the same file.
 """
 
 from __future__ import annotations
