@@ -25,7 +25,7 @@
 namespace {
 
 // How the stack's linears are stored, one method for all of them (the quant_method of each layer).
-enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2, kInt4 = 3, kW4A8 = 4 };
+enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2, kInt4 = 3, kW4A8 = 4, kInt8Groups = 5 };
 
 // The per-layer tensors, as lists indexed by layer; the linears 4 per layer (qkv, o, gate_up,
 // down), with each one's scale and w8a8 compensation (int4: zero point) where its method has them.
@@ -67,6 +67,8 @@ struct Layers {
       case Method::kW4A8:
         return packed_linear_w4a8(x, linears[at], *scales[at], *comps[at], bias,
                                   linears[at].size(1) / scales[at]->size(1));
+      case Method::kInt8Groups:
+        return packed_linear_int8_grouped(x, linears[at], *scales[at], bias, linears[at].size(1) / scales[at]->size(1));
       default:
         return packed_linear(x, linears[at], bias);
     }
@@ -120,8 +122,8 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
   TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
                   linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
               "decode_stack_: every per-layer list needs one entry per layer (", n, "), the linears four");
-  TORCH_CHECK(method >= 0 && method <= 4,
-              "decode_stack_: method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4) or 4 (w4a8)");
+  TORCH_CHECK(method >= 0 && method <= 5,
+              "decode_stack_: method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4), 4 (w4a8) or 5 (int8 groups)");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
   TORCH_CHECK(!lora_slots.has_value() || (lora_a.size() == 4 * n && lora_b.size() == 7 * n),
               "decode_stack_: LoRA needs one A per linear and one B per projection (7 per layer)");
@@ -129,7 +131,8 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
               "decode_stack_: tensor parallelism needs the shared-memory all-reduce's segment and counter");
   const Method m = static_cast<Method>(method);
   for (size_t j = 0; j < linears.size(); ++j)
-    TORCH_CHECK(m == Method::kPacked || (scales[j].has_value() && (m == Method::kInt8 || comps[j].has_value())),
+    TORCH_CHECK(m == Method::kPacked ||
+                    (scales[j].has_value() && (m == Method::kInt8 || m == Method::kInt8Groups || comps[j].has_value())),
                 "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation, int4 zero) of its method");
   std::optional<ShmGroup> tp;
   if (tp_size > 1) tp = ShmGroup{*shm_segment, *shm_state, tp_rank, tp_size, shm_slot_bytes, shm_timeout_s};

@@ -7,7 +7,8 @@ result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
 with the kernels built; every linear of the layers in one method, packed fp32, ``int8``,
-``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit) or ``w4a8`` (a bias only
+``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit), ``w4a8`` or
+int8 groups (GGUF's Q8_0) (a bias only
 on qkv); one rank, or tensor-parallel ranks joined by the shared-memory
 all-reduce (``distributed/shm_allreduce.py``: the op sums o_proj's and down_proj's outputs over the
 ranks with its C++ protocol, where the modules' RowParallelLinear calls the same op, and a step
@@ -35,6 +36,7 @@ from pagedllm.layers.attention.backends.torch_sdpa import TorchAttentionBackend,
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.int4 import Int4KernelMethod
 from pagedllm.layers.quantization.int8 import Int8LinearMethod
+from pagedllm.layers.quantization.int8_groups import GroupedInt8Method
 from pagedllm.layers.quantization.unquantized import PACKED, UnquantizedLinearMethod
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 from pagedllm.lora.context import current_lora_step
@@ -53,7 +55,7 @@ class DecodeStack:
     scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8, int4)
     comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8) or weight_zero (int4)
     qkv_bias: list[torch.Tensor | None]
-    method: int  # 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8 (csrc/cpu_decode_stack.cpp's Method)
+    method: int  # 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8, 5 int8 groups (csrc/cpu_decode_stack.cpp's Method)
     kv_cache: list[torch.Tensor]
     windows: list[int]
     final_norm: torch.Tensor
@@ -222,7 +224,7 @@ def _cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
-_PACKED, _INT8, _W8A8, _INT4, _W4A8 = 0, 1, 2, 3, 4
+_PACKED, _INT8, _W8A8, _INT4, _W4A8, _INT8_GROUPS = 0, 1, 2, 3, 4, 5
 
 
 def _comp(linear: Any, method: int) -> torch.Tensor | None:
@@ -236,6 +238,8 @@ def _method(linear: Any) -> int | None:
     method = getattr(linear, "quant_method", None)
     if isinstance(method, UnquantizedLinearMethod):
         return _PACKED if method.layout is PACKED else None
+    if isinstance(method, GroupedInt8Method):
+        return _INT8_GROUPS if method.quantized else None
     if isinstance(method, W8A8LinearMethod):
         return _W8A8 if method.quantized else None
     if isinstance(method, Int8LinearMethod):

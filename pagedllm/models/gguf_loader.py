@@ -19,7 +19,14 @@ import torch
 
 from pagedllm.gguf_config import read_metadata
 from pagedllm.gguf_metadata import GGUFMetadata, TensorInfo
-from pagedllm.layers.quantization.gguf import Q4_SUFFIXES, is_q4_linear, q4_to_int4
+from pagedllm.layers.quantization.gguf import (
+    Q4_SUFFIXES,
+    Q8_SUFFIXES,
+    is_q4_linear,
+    is_q8_linear,
+    q4_to_int4,
+    q8_to_int8,
+)
 from pagedllm.model_arch import ModelArchConfig
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -57,14 +64,15 @@ def iterate_gguf(
     arch: ModelArchConfig,
     keep: Callable[[str], bool] | None = None,
     header: GGUFMetadata | None = None,
-    keep_4bit: bool = False,
+    keep_blocks: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """(Hugging Face name, float32 tensor) for every tensor of the file (whose name ``keep``
     accepts), one at a time from the memory-mapped file. The header (``header`` if the caller
     has read it) is read, and a bad file refused, now, before the caller allocates the model.
-    ``keep_4bit``: a linear's Q4_0 / Q4_1 / Q4_K weight comes as its int4 parts instead
-    (``layers/quantization/gguf.py``: ``...q_proj.gguf_q``, ``.gguf_scale``, ``.gguf_zero``)."""
-    return _dequantized(header or read_metadata(path), path, arch, keep, keep_4bit)
+    ``keep_blocks``: a linear's Q4_0 / Q4_1 / Q4_K weight comes as its int4 parts instead
+    (``layers/quantization/gguf.py``: ``...q_proj.gguf_q``, ``.gguf_scale``, ``.gguf_zero``), and a
+    Q8_0 one as its int8 values and block scales (``.gguf_q8``, ``.gguf_q8_scale``)."""
+    return _dequantized(header or read_metadata(path), path, arch, keep, keep_blocks)
 
 
 def _dequantized(
@@ -72,7 +80,7 @@ def _dequantized(
     path: str | Path,
     arch: ModelArchConfig,
     keep: Callable[[str], bool] | None,
-    keep_4bit: bool,
+    keep_blocks: bool,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     from gguf.constants import GGMLQuantizationType
 
@@ -82,9 +90,12 @@ def _dequantized(
         if keep is not None and not keep(hf_name):
             continue  # never dequantized: another pipeline stage's tensor
         qtype = GGMLQuantizationType(info.ggml_type).name
-        if keep_4bit and is_q4_linear(hf_name, qtype):
-            parts = q4_to_int4(_rows(name, info, file[header.data_offset :], path), qtype)
-            for suffix, part in zip(Q4_SUFFIXES, parts):
+        if keep_blocks and (is_q4_linear(hf_name, qtype) or is_q8_linear(hf_name, qtype)):
+            raw = _rows(name, info, file[header.data_offset :], path)
+            suffixes, parts = (
+                (Q4_SUFFIXES, q4_to_int4(raw, qtype)) if qtype != "Q8_0" else (Q8_SUFFIXES, q8_to_int8(raw))
+            )
+            for suffix, part in zip(suffixes, parts):
                 yield hf_name.removesuffix("weight") + suffix, torch.from_numpy(unpermute_qk(name, part, arch))
             continue
         weights = unpermute_qk(name, dequantize(name, info, file[header.data_offset :], path), arch)

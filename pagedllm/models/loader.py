@@ -86,7 +86,7 @@ def _checkpoint_weights(
     if model_dir is not None and (load_format == "gguf" or is_gguf_file(model_dir)):
         path = resolve_checkpoint(model_dir, load_format)
         header = read_metadata(path)  # a bad file is refused before the model is allocated
-        return lambda keep: iterate_gguf(path, arch, keep, header, keep_4bit=quantization in ("gguf", "w4a8"))
+        return lambda keep: iterate_gguf(path, arch, keep, header, keep_blocks=quantization in ("gguf", "w4a8"))
     files = _checkpoint_files(model_dir)
     return lambda keep: iterate_safetensors(files, keep)
 

@@ -15,9 +15,9 @@ import torch
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import MergedColumnParallelLinear
 from pagedllm.layers.quantization import building_with
-from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod, q4_to_int4
+from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod, q4_to_int4, q8_to_int8
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
-from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
+from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod, GroupedInt8Method
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.layers.quantization.w4a8 import W4A8LinearMethod
 
@@ -72,13 +72,17 @@ def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinea
     params = dict(layer.named_parameters())
     reference = []
     for shard, (kind, w) in enumerate(zip(parts, np.split(_weights(64, 64), 2))):
-        raw = gguf_quantize(w, GGMLQuantizationType.Q4_0)
+        qtype = GGMLQuantizationType.Q8_0 if kind == "q8" else GGMLQuantizationType.Q4_0
+        raw = gguf_quantize(w, qtype)
         if kind == "q4":
             for name, part in zip(("gguf_q", "gguf_scale", "gguf_zero"), q4_to_int4(raw, "Q4_0")):
                 params[name].weight_loader(params[name], torch.from_numpy(part), shard)
+        elif kind == "q8":
+            for name, part in zip(("gguf_q8", "gguf_q8_scale"), q8_to_int8(raw)):
+                params[name].weight_loader(params[name], torch.from_numpy(part), shard)
         else:
             params["weight"].weight_loader(params["weight"], torch.from_numpy(w), shard)
-        reference.append(gguf_dequantize(raw, GGMLQuantizationType.Q4_0) if kind == "q4" else w)
+        reference.append(gguf_dequantize(raw, qtype) if kind != "float" else w)
     layer.quant_method.process_weights_after_loading(layer)
     return layer, x @ torch.from_numpy(np.concatenate(reference)).T
 
@@ -92,6 +96,18 @@ def test_a_layer_of_4bit_parts_runs_the_int4_kernel_and_mixed_parts_run_float() 
     layer, want = _layer(["q4", "float"], x)
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_q8_0_parts_stay_int8_groups_and_mixed_block_kinds_run_float() -> None:
+    x = torch.randn(3, 64)
+    layer, want = _layer(["q8", "q8"], x)
+    assert isinstance(layer.quant_method, GroupedInt8Method) and layer.weight.dtype == torch.int8
+    assert not hasattr(layer, "gguf_q8")
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # the file's values, the kernel's sums
+    for parts in (["q8", "q4"], ["float", "q8"]):
+        layer, want = _layer(parts, x)
+        assert isinstance(layer.quant_method, UnquantizedLinearMethod)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
 
 
 def test_a_layer_missing_a_part_names_it() -> None:
@@ -208,3 +224,38 @@ def test_w4a8_on_a_gguf_file_keeps_its_blocks_with_int8_activations(
     dummy = LLM(path, tokenizer=str(llama_model_dir), load_format="dummy", quantization="w4a8", kv_cache_memory=0.05)
     methods = {type(m.quant_method) for m in _model(dummy).model.layers.modules() if hasattr(m, "quant_method")}
     assert methods == {W4A8LinearMethod}  # random float weights, quantized
+
+
+def test_a_q8_0_gguf_keeps_int8_linears_with_transformers_greedy_tokens(
+    llama_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.entrypoints.bench.gguf_export import write_gguf
+    from pagedllm.hf_config import load_hf_config
+
+    state: dict[str, Any] = {}
+    for f in sorted(llama_model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    path = write_gguf(
+        state, load_hf_config(llama_model_dir), tmp_path_factory.mktemp("q8") / "tiny-Q8_0.gguf", quant="Q8_0"
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    llm = LLM(str(path), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
+    methods = {type(m.quant_method) for m in _model(llm).model.layers.modules() if hasattr(m, "quant_method")}
+    assert methods == {GroupedInt8Method}
+    prompts = [[5, 17, 99, 3, 250], [42, 7, 7, 300, 11, 64, 2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    stack = _model(llm).model._decode_stack  # the int8-group linears run in the decode stack ...
+    assert stack is not None and stack.method == 5
+    logprobs = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    stacked = llm.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)
+    del llm
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", "0")  # ... bitwise as the modules do
+    modules = LLM(str(path), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
+    for a, b in zip(stacked, modules.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs

@@ -10,10 +10,12 @@ The nibbles are the file's; only the zero point of Q4_1 / Q4_K is a division, so
 kernel sees differs from llama.cpp's dequantized one by float rounding (a few ulp). A group whose
 scale is 0 is constant (the offset alone): it is stored as q = 1, s = offset, z = 0, exactly.
 
-The other tensor types of a GGUF file (F32, F16, Q8_0, Q5_K, Q6_K, ...) load dequantized to
-float32, as without this method; a fused projection whose parts mix the two (Q4_K_M files keep
-some ``attn_v`` / ``ffn_down`` in Q6_K) runs as float32 too. So each linear registers both forms,
-filled lazily (an unused form never allocates), and ``process_weights_after_loading`` keeps one.
+Q8_0 linears (W = d q, q int8 per 32 inputs) stay 8-bit the same way: their int8 values and
+block scales (``q8_to_int8``, exact) on the group-wise int8 op (``int8_groups.GroupedInt8Method``).
+The other tensor types of a GGUF file (F32, F16, Q5_K, Q6_K, ...) load dequantized to float32, as
+without this method; a fused projection whose parts mix kinds (Q4_K_M files keep some ``attn_v`` /
+``ffn_down`` in Q6_K) runs as float32 too. So each linear registers every form, filled lazily (an
+unused form never allocates), and ``process_weights_after_loading`` keeps one.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from pagedllm.layers.quantization import int8_groups
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
 from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
@@ -37,6 +40,8 @@ GROUP = 32
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # The checkpoint names a 4-bit linear streams as (``models/gguf_loader``), after ``.weight``'s stem.
 Q4_SUFFIXES = ("gguf_q", "gguf_scale", "gguf_zero")
+# Q8_0 linears stream as their int8 values and block scales and stay int8 (``int8_groups``).
+Q8_SUFFIXES = ("gguf_q8", "gguf_q8_scale")
 
 
 def q4_to_int4(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -52,6 +57,14 @@ def q4_to_int4(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.
         offset = 8.0 * scale if qtype == "Q4_0" else -_f16(blocks[:, 2:4])
     q, scale, zero = _zero_points(q.reshape(-1, GROUP), scale.reshape(-1), offset.reshape(-1))
     return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
+
+
+def q8_to_int8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``raw`` uint8 [rows, row_bytes] of Q8_0 (34-byte blocks of 32: a float16 d, 32 int8 q;
+    W = d q) -> (q int8 [rows, K], scale float32 [rows, K / 32]), exactly the file's values."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(-1, 34)
+    return blocks[:, 2:].view(np.int8).reshape(rows, -1).copy(), _f16(blocks[:, 0:2]).reshape(rows, -1)
 
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
@@ -101,7 +114,8 @@ def _lazy_param(
 
 
 class GGUFLinearMethod(Int4KernelMethod):
-    """A linear of a GGUF file: int4 when every part is a 4-bit block type, else float32."""
+    """A linear of a GGUF file: int4 when every part is a 4-bit block type, int8 groups of 32
+    (``int8_groups.GroupedInt8Method``) when every part is Q8_0, else float32."""
 
     format_name = "gguf"
 
@@ -110,6 +124,7 @@ class GGUFLinearMethod(Int4KernelMethod):
         self.int8_activations = int8_activations  # w4a8 on a GGUF file: the blocks with int8 activations
         self.float_parts: set[Any] = set()
         self.q4_parts: set[Any] = set()
+        self.q8_parts: set[Any] = set()
         self.converted = False
 
     def create_weights(
@@ -127,28 +142,39 @@ class GGUFLinearMethod(Int4KernelMethod):
             q_shapes = ((n, input_size), (n, input_size // GROUP), (n, input_size // GROUP))
             for name, shape, dtype in zip(Q4_SUFFIXES, q_shapes, (torch.uint8, torch.float32, torch.float32)):
                 _lazy_param(layer, name, shape, dtype, weight_loader, self.q4_parts)
+            for name, shape, dtype in zip(Q8_SUFFIXES, q_shapes, (torch.int8, torch.float32)):
+                _lazy_param(layer, name, shape, dtype, weight_loader, self.q8_parts)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.converted:
             return
         parts = list(range(len(self.output_sizes))) if len(self.output_sizes) > 1 else [None]
-        missing = [p for p in parts if p not in self.float_parts and p not in self.q4_parts]
+        missing = [p for p in parts if p not in self.float_parts | self.q4_parts | self.q8_parts]
         if missing:
             raise ValueError(
                 f"the GGUF file has no tensor for part(s) {missing} of a linear layer with outputs "
                 f"{self.output_sizes}; the file does not match the model's shapes"
             )
         q4 = [getattr(layer, name).data for name in Q4_SUFFIXES] if self.q4_parts else None
-        for name in Q4_SUFFIXES:
+        q8 = [getattr(layer, name).data for name in Q8_SUFFIXES] if self.q8_parts else None
+        for name in (*Q4_SUFFIXES, *Q8_SUFFIXES):
             if hasattr(layer, name):
                 delattr(layer, name)
         self.converted = True
-        if q4 is not None and not self.float_parts:
+        if q4 is not None and not self.float_parts and q8 is None:
             q, scale, zero = q4
             self.finish_int4(layer, q, scale, zero, None)
             return
-        if q4 is not None:  # a fused projection with parts of both kinds: all float
-            self._fill_float(layer, dequantize(*q4))
+        if q8 is not None and not self.float_parts and q4 is None and int8_groups.can_store(q8[0]):
+            int8_method = int8_groups.GroupedInt8Method()
+            int8_method.store(layer, *q8)
+            cast(Any, layer).quant_method = int8_method
+            return
+        # A fused projection with parts of several kinds (or no kernel for them): all float.
+        if q4 is not None:
+            self._fill_float(layer, dequantize(*q4), self.q4_parts)
+        if q8 is not None:
+            self._fill_float(layer, int8_groups.dequantize_groups(*q8), self.q8_parts)
         if self.int8_activations:
             logger.warning(
                 "w4a8: a linear with outputs %s is not stored in a 4-bit block type (Q4_0 / Q4_1 / Q4_K) in the "
@@ -159,13 +185,14 @@ class GGUFLinearMethod(Int4KernelMethod):
         cast(Any, layer).quant_method = method
         method.process_weights_after_loading(layer)
 
-    def _fill_float(self, layer: nn.Module, w: torch.Tensor) -> None:
+    def _fill_float(self, layer: nn.Module, w: torch.Tensor, parts: set[Any]) -> None:
+        """The rows of ``parts`` (a block kind's) of the float weight from that kind's dequantization ``w``."""
         weight = cast(nn.Parameter, layer.weight)
         if weight.numel() == 0:
             weight.data = torch.empty(w.shape, dtype=self.params_dtype)
         start = 0
         for part, size in enumerate(self.output_sizes):
-            if part in self.q4_parts:
+            if part in parts or (part == 0 and None in parts):
                 weight.data[start : start + size] = w[start : start + size]
             start += size
 
@@ -193,4 +220,13 @@ class GGUFConfig(QuantizationConfig):
 
 def is_q4_linear(hf_name: str, qtype: str) -> bool:
     """Whether a GGUF tensor (by its Hugging Face name and type name) streams as int4 parts."""
-    return qtype in Q4_TYPES and hf_name.startswith("model.layers.") and hf_name.endswith("_proj.weight")
+    return qtype in Q4_TYPES and _is_linear(hf_name)
+
+
+def is_q8_linear(hf_name: str, qtype: str) -> bool:
+    """Whether a GGUF tensor streams as int8-group parts (``Q8_SUFFIXES``)."""
+    return qtype == "Q8_0" and _is_linear(hf_name)
+
+
+def _is_linear(hf_name: str) -> bool:
+    return hf_name.startswith("model.layers.") and hf_name.endswith("_proj.weight")

@@ -86,14 +86,16 @@ def can_take(w: torch.Tensor) -> bool:
 
 
 def _not_loaded_yet(*args: object) -> torch.Tensor:
-    raise RuntimeError("the LM head runs only after its quant_method.process_weights_after_loading")
+    raise RuntimeError("an int8-group layer runs only after its quant_method.process_weights_after_loading")
 
 
-class GroupedInt8HeadMethod(LinearMethodBase):
-    """An LM head loaded as float (or tied to the embedding), then held as int8 groups of 32."""
+class GroupedInt8Method(LinearMethodBase):
+    """A layer held as int8 groups (W = q * s, a scale per output and G inputs) on the group-wise
+    op; ``store`` takes q and the scales (a GGUF file's Q8_0 blocks as they are, or a quantized head)."""
 
     def __init__(self) -> None:
         self._kernel: GroupedInt8Gemm = _not_loaded_yet
+        self.group_size = GROUP
         self.quantized = False
 
     def create_weights(
@@ -105,6 +107,27 @@ class GroupedInt8HeadMethod(LinearMethodBase):
         weight_loader: WeightLoader,
     ) -> None:
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
+
+    def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Hold q [N, K] int8 and scale [N, K / G] float32 packed for the op (``can_store`` said yes)."""
+        # A new parameter: a tied embedding keeps its float table for lookups.
+        layer.weight = nn.Parameter(pack_int8(q), requires_grad=False)
+        layer.register_buffer("weight_scale", pack_groups(scale), persistent=False)
+        kernel = load_grouped_int8_gemm()
+        assert kernel is not None, "can_store checked that the kernel built"
+        self._kernel, self.group_size, self.quantized = kernel, q.shape[1] // scale.shape[1], True
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self._kernel(x, layer.weight, layer.weight_scale, bias, self.group_size)
+
+
+def can_store(q: torch.Tensor) -> bool:
+    """Whether the group-wise int8 op takes a layer of q's shape (on CPU, with the kernels built)."""
+    return q.device.type == "cpu" and q.shape[0] % PANEL == 0 and load_grouped_int8_gemm() is not None
+
+
+class GroupedInt8HeadMethod(GroupedInt8Method):
+    """An LM head loaded as float (or tied to the embedding), then held as int8 groups of 32."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.quantized:
@@ -124,13 +147,4 @@ class GroupedInt8HeadMethod(LinearMethodBase):
             cast(Any, layer).quant_method = method
             method.process_weights_after_loading(layer)
             return
-        q, scale = quantize_groups(w)
-        # A new parameter: a tied embedding keeps its float table for lookups.
-        layer.weight = nn.Parameter(pack_int8(q), requires_grad=False)
-        layer.register_buffer("weight_scale", pack_groups(scale), persistent=False)
-        kernel = load_grouped_int8_gemm()
-        assert kernel is not None, "can_take checked that the kernel built"
-        self._kernel, self.quantized = kernel, True
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._kernel(x, layer.weight, layer.weight_scale, bias, GROUP)
+        self.store(layer, *quantize_groups(w))
