@@ -225,18 +225,28 @@ void fused_group(const GroupedProblem<F>& pr, int64_t m, int64_t g, int64_t p1) 
 // (q - z) * s, or q * s.
 template <class F>
 void dequantize_group(const GroupedProblem<F>& pr, int64_t g, int64_t width, float* out) {
-  const int64_t groups = pr.k / pr.group, block_stride = stride_of_blocks<F>(width);
+  const int64_t groups = pr.k / pr.group, blocks = pr.group / F::kSteps, block_stride = stride_of_blocks<F>(width);
   for (int64_t j = 0; j < width; ++j) {
-    const typename F::T* w = panel_start<F>(pr.p, pr.k, g, j);
-    for (int64_t b = 0; b < pr.k / F::kSteps; ++b) {
-      const typename F::T* block = w + b * block_stride;
-      const int64_t at = ((g + j) * groups + b * F::kSteps / pr.group) * kLanes;
-      for (int i = 0; i < F::kSteps; ++i, out += kLanes) {
+    const typename F::T* block = panel_start<F>(pr.p, pr.k, g, j);
+    for (int64_t c = 0; c < groups; ++c) {
+      // The group's scales (and zero points) once, in registers for its blocks (a division per
+      // block here cost about as much as the fp32 micro-kernel at 16 rows).
+      const int64_t at = ((g + j) * groups + c) * kLanes;
+      Vec s[kPanelVecs], z[kPanelVecs];
 #pragma GCC unroll 4
-        for (int v = 0; v < kPanelVecs; ++v) {
-          Vec q = F::load(block, v, i);
-          if constexpr (F::kZero) q = q - load(pr.zero + at + v * kWidth);
-          store(out + v * kWidth, q * load(pr.scale + at + v * kWidth));
+      for (int v = 0; v < kPanelVecs; ++v) {
+        s[v] = load(pr.scale + at + v * kWidth);
+        z[v] = F::kZero ? load(pr.zero + at + v * kWidth) : zero();
+      }
+      for (int64_t b = 0; b < blocks; ++b, block += block_stride) {
+#pragma GCC unroll 8
+        for (int i = 0; i < F::kSteps; ++i, out += kLanes) {
+#pragma GCC unroll 4
+          for (int v = 0; v < kPanelVecs; ++v) {
+            Vec q = F::load(block, v, i);
+            if constexpr (F::kZero) q = q - z[v];
+            store(out + v * kWidth, q * s[v]);
+          }
         }
       }
     }
@@ -249,6 +259,13 @@ void dequant_group(const GroupedProblem<F>& pr, int64_t m, int64_t g, int64_t p1
   const int64_t width = std::min<int64_t>(kGroup, p1 - g);
   buffer.resize(static_cast<size_t>(kGroup * pr.k * kLanes));
   dequantize_group(pr, g, width, buffer.data());
+  // The next group's packed weights into L2 while the micro-kernel runs this one from cache:
+  // dequantizing then reads cache, not memory.
+  if (g + kGroup < pr.panels) {
+    const typename F::T* next = panel_start<F>(pr.p, pr.k, g + kGroup, 0);
+    const int64_t bytes = std::min<int64_t>(kGroup, pr.panels - g - kGroup) * (pr.k / F::kSteps) * F::kBlockBytes;
+    for (int64_t off = 0; off < bytes; off += 64) prefetch_l2(next + off);
+  }
   const Problem<float> fp{pr.x, buffer.data(), nullptr, pr.bias ? pr.bias + g * kLanes : nullptr,
                           pr.y + g * kLanes, pr.k, pr.ldx, pr.ldy, false};
   run_panels(fp, m, 0, width);

@@ -1,14 +1,15 @@
 """W8A8 (``--quantization w8a8``): the kernel (csrc/cpu_gemm_w8a8.cpp) on every level and dot
 path against exact integer math on the same quantized operands, the quantizers' error bounds,
-the layer, and the engine end to end against fp32."""
+the layer and the LM head, and the engine end to end against fp32."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from pagedllm import cpu_info
+from pagedllm.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from pagedllm.layers.linear import ColumnParallelLinear
-from pagedllm.layers.quantization import w8a8
+from pagedllm.layers.quantization import building_with, w8a8
 from pagedllm.layers.quantization.int8 import quantize_per_channel
 
 # Rows: every tile height of every path (1-6) and remainders, a decode batch, a prefill block.
@@ -147,6 +148,27 @@ def test_layer_the_kernel_cannot_take_stays_float(native, caplog):
     assert layer.weight.dtype == torch.float32 and layer.weight_scale is None
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, w), rtol=1e-4, atol=1e-4)
+
+
+def test_the_lm_head_is_w8a8_and_embedding_lookups_stay_float(native):
+    with building_with(w8a8.W8A8Config()):
+        embed = VocabParallelEmbedding(96, 64)
+        head = ParallelLMHead(96, 64)
+    torch.manual_seed(1)
+    embed.weight.data.normal_()
+    head.tie_weights(embed)
+    table = embed.weight.data.clone()
+    head.quant_method.process_weights_after_loading(head)
+    assert isinstance(head.quant_method, w8a8.W8A8LinearMethod)
+    assert head.weight.dtype == torch.int8 and head.weight.shape == (6, 16, 16, 4)
+    assert embed.weight.dtype == torch.float32 and torch.equal(embed.weight.data, table)  # lookups unchanged
+    x = torch.randn(3, 64)
+    q, scale = quantize_per_channel(table)
+    _assert_exact(head(x), _reference(x, q, scale, None))
+    exact = x @ table.T
+    assert ((head(x) - exact).norm() / exact.norm()).item() < 0.02  # near the float head
+    head.quant_method.process_weights_after_loading(head)  # once only
+    assert head.weight.shape == (6, 16, 16, 4)
 
 
 # Engine, tiny random llama: 20 prompts of 3-40 tokens generated together (decode steps of up to

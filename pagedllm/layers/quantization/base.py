@@ -99,7 +99,8 @@ class QuantizationConfig(ABC):
     @abstractmethod
     def get_lm_head_method(self) -> LinearMethodBase:
         """A fresh method for the LM head: float for the float and pre-quantized checkpoint formats
-        (as the checkpoint stores it), int8 groups of 32 for those that quantize on their own."""
+        (as the checkpoint stores it), int8 groups of 32 for the weight-only ones that quantize on
+        their own, W8A8 for w8a8."""
 
     def convert_checkpoint(self, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's (name, tensor) stream as this format's parameters take it (default: as

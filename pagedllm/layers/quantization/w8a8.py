@@ -13,8 +13,11 @@ after loading the float checkpoint. Activations: per token, symmetric, dynamic (
 the kernel): sx = max|x_m| / 127, qx = round(x * 127 / max|x_m|) (``quantize_per_token`` is the
 same formula in torch, the tests' reference). Each activation's error is at most sx / 2.
 
-The LM head is weight-only int8 in groups of 32 (``int8_groups``, float activations: its logits are
-what sampling and logprobs read); the embedding lookups keep the float32 table.
+The LM head is W8A8 too (this method, quantized after loading from the float or tied table; the
+embedding lookups keep the float32 table), as llama.cpp runs a quantized model's head on int8
+activations: from 16 rows it is a quarter of a SmolLM2-sized step's multiply-adds, and weight-only
+int8 groups (the weight-only formats' head, ``int8_groups``) run there at float32's rate or below
+(``docs/benchmarks.md`` has both, and the logits' error).
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ from pagedllm.layers.cpu_gemm_kernels import PANEL, packable
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig
 from pagedllm.layers.quantization.int8 import PerChannelInt8Method
-from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 
 _QMAX = 127
 # The kernel's int32 sums of (q + 128) * w stay exact up to this many inputs.
@@ -132,7 +134,7 @@ class W8A8LinearMethod(PerChannelInt8Method):
 
 
 class W8A8Config(QuantizationConfig):
-    """W8A8 for the transformer's linears; the LM head in int8 groups of 32 (``int8_groups``)."""
+    """W8A8 for the transformer's linears and the LM head."""
 
     name = "w8a8"
     quantize_on_load = W8A8LinearMethod
@@ -141,4 +143,4 @@ class W8A8Config(QuantizationConfig):
         return W8A8LinearMethod()
 
     def get_lm_head_method(self) -> LinearMethodBase:
-        return GroupedInt8HeadMethod()
+        return W8A8LinearMethod()
