@@ -24,18 +24,18 @@
 
 namespace {
 
-// How the stack's linears are stored, one method for all of them (the quant_method of each layer).
+// How each of the stack's linears is stored (its layer's quant_method; a GGUF file's may differ).
 enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2, kInt4 = 3, kW4A8 = 4, kInt8Groups = 5 };
 
 // The per-layer tensors, as lists indexed by layer; the linears 4 per layer (qkv, o, gate_up,
-// down), with each one's scale and w8a8 compensation (int4: zero point) where its method has them.
+// down), with each one's scale and w8a8 compensation (int4, int8 groups: zero point) where its method has them.
 struct Layers {
   at::TensorList input_norm, post_norm, kv_cache, linears;
   const std::vector<std::optional<at::Tensor>>& scales;
   const std::vector<std::optional<at::Tensor>>& comps;
   const std::vector<std::optional<at::Tensor>>& qkv_bias;
   const std::vector<int64_t>& windows;
-  Method method;
+  const std::vector<Method>& methods;  // per linear: a GGUF file's layers may mix block types
   int64_t w8a8_path;
   // LoRA: per linear its stacked A, per projection its B (7 per layer: q, k, v, o, gate, up, down).
   at::TensorList lora_a, lora_b;
@@ -56,7 +56,7 @@ struct Layers {
   }
 
   at::Tensor gemm(size_t at, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
-    switch (method) {
+    switch (methods[at]) {
       case Method::kInt8:
         return packed_linear_int8(x, linears[at], *scales[at], bias);
       case Method::kW8A8:
@@ -68,7 +68,8 @@ struct Layers {
         return packed_linear_w4a8(x, linears[at], *scales[at], *comps[at], bias,
                                   linears[at].size(1) / scales[at]->size(1));
       case Method::kInt8Groups:
-        return packed_linear_int8_grouped(x, linears[at], *scales[at], bias, linears[at].size(1) / scales[at]->size(1));
+        return packed_linear_int8_grouped(x, linears[at], *scales[at], bias, linears[at].size(1) / scales[at]->size(1),
+                                          comps[at]);
       default:
         return packed_linear(x, linears[at], bias);
     }
@@ -110,7 +111,8 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const Layers& w, si
 at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList input_norm,
                          at::TensorList post_norm, at::TensorList linears,
                          std::vector<std::optional<at::Tensor>> scales, std::vector<std::optional<at::Tensor>> comps,
-                         std::vector<std::optional<at::Tensor>> qkv_bias, int64_t method, int64_t w8a8_path,
+                         std::vector<std::optional<at::Tensor>> qkv_bias, std::vector<int64_t> methods,
+                         int64_t w8a8_path,
                          at::TensorList kv_cache, std::vector<int64_t> windows, at::Tensor final_norm,
                          at::Tensor cos_sin_cache, at::Tensor slot_mapping, at::Tensor block_table,
                          at::Tensor seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
@@ -122,22 +124,25 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
   TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
                   linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
               "decode_stack_: every per-layer list needs one entry per layer (", n, "), the linears four");
-  TORCH_CHECK(method >= 0 && method <= 5,
-              "decode_stack_: method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4), 4 (w4a8) or 5 (int8 groups)");
+  TORCH_CHECK(methods.size() == 4 * n, "decode_stack_: one method per linear");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
   TORCH_CHECK(!lora_slots.has_value() || (lora_a.size() == 4 * n && lora_b.size() == 7 * n),
               "decode_stack_: LoRA needs one A per linear and one B per projection (7 per layer)");
   TORCH_CHECK(tp_size == 1 || (shm_segment.has_value() && shm_state.has_value()),
               "decode_stack_: tensor parallelism needs the shared-memory all-reduce's segment and counter");
-  const Method m = static_cast<Method>(method);
-  for (size_t j = 0; j < linears.size(); ++j)
+  std::vector<Method> ms(methods.size());
+  for (size_t j = 0; j < linears.size(); ++j) {
+    TORCH_CHECK(methods[j] >= 0 && methods[j] <= 5, "decode_stack_: linear ", j,
+                "'s method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4), 4 (w4a8) or 5 (int8 groups)");
+    const Method m = ms[j] = static_cast<Method>(methods[j]);
     TORCH_CHECK(m == Method::kPacked ||
                     (scales[j].has_value() && (m == Method::kInt8 || m == Method::kInt8Groups || comps[j].has_value())),
                 "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation, int4 zero) of its method");
+  }
   std::optional<ShmGroup> tp;
   if (tp_size > 1) tp = ShmGroup{*shm_segment, *shm_state, tp_rank, tp_size, shm_slot_bytes, shm_timeout_s};
   const Layers w{input_norm, post_norm, kv_cache, linears,  scales,    comps,     qkv_bias,
-                 windows,    m,         w8a8_path, lora_a, lora_b, lora_slots, max_loras, max_rank,
+                 windows,    ms,        w8a8_path, lora_a, lora_b, lora_slots, max_loras, max_rank,
                  tp ? &*tp : nullptr};
   at::Tensor residual;
   for (size_t i = 0; i < n; ++i)
@@ -151,7 +156,7 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("decode_stack_(Tensor(a!) hidden, Tensor positions, Tensor[] input_norm, Tensor[] post_norm, "
-        "Tensor[] linears, Tensor?[] scales, Tensor?[] comps, Tensor?[] qkv_bias, int method, int w8a8_path, "
+        "Tensor[] linears, Tensor?[] scales, Tensor?[] comps, Tensor?[] qkv_bias, int[] methods, int w8a8_path, "
         "Tensor(b!)[] kv_cache, int[] windows, Tensor final_norm, Tensor cos_sin_cache, Tensor slot_mapping, "
         "Tensor block_table, Tensor seq_lens, int heads, int kv_heads, int head_dim, float scale, float eps, "
         "Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_slots, int max_loras, int max_rank, Tensor(c!)? shm_segment, "

@@ -2,7 +2,8 @@
 // - int4: W[n, k] = (q[n, k] - z[n, g]) * s[n, g] with q in 0..15 (the int4 method, AWQ, GPTQ,
 //   GGUF's Q4_0 / Q4_1 / Q4_K blocks); op packed_linear_int4.
 // - int8: W[n, k] = q[n, k] * s[n, g] with q in -127..127 (GGUF's Q8_0 blocks; the LM head of the
-//   quantized methods); op packed_linear_int8_grouped.
+//   quantized methods), or (q[n, k] - z[n, g]) * s[n, g] when a zero point is given (GGUF's other
+//   block types); op packed_linear_int8_grouped.
 // g = k / G (G inputs per group), one float32 scale (and zero point) per output and group; x and y
 // float32. Batch-1 decode streams every weight once per step, so fewer bytes is a faster step
 // while the widening keeps up.
@@ -14,7 +15,8 @@
 //   word n holding output n's 8 nibbles (k step i in bits 4i..4i+3); cpu_vec.h's load_u4_step
 //   widens one k step of a block with a shift and a mask or a 16-entry table lookup, in output order.
 // - int8 [N / 16, K, 16] int8: a block is 1 k step, 16 bytes: the per-channel int8 kernel's layout
-//   (cpu_gemm_int8.cpp), one 64-byte line per k step of a full group.
+//   (cpu_gemm_int8.cpp), one 64-byte line per k step of a full group. Optionally with a zero point
+//   (Int8ZeroFormat): W = (q - z) * s.
 // scale, zero: [N / 16, K / G, 16] float32, a panel's groups contiguous. G must be a multiple of
 // the block's k steps.
 //
@@ -85,6 +87,11 @@ struct Int8Format {
   static constexpr int kSteps = 1;
   static constexpr int64_t kBlockBytes = kLanes, kStepBytes = kBlockBytes;
   static Vec load(const T* block, int v, int) { return load_i8(block + v * kWidth); }
+};
+// int8 with a zero point per output and group, W = (q - z) * s: GGUF's other block types held
+// exactly (Q5_0 / Q5_1 / Q5_K / Q6_K, and the 4-bit and Q8_0 parts of a layer that mixes them).
+struct Int8ZeroFormat : Int8Format {
+  static constexpr bool kZero = true;
 };
 
 // How far ahead (in blocks of each panel) the fused tile prefetches its stream into L2: 1 KiB of
@@ -508,7 +515,10 @@ at::Tensor packed_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
 }
 
 at::Tensor packed_linear_int8_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                      const std::optional<at::Tensor>& bias, int64_t group_size) {
+                                      const std::optional<at::Tensor>& bias, int64_t group_size,
+                                      const std::optional<at::Tensor>& zero) {
+  if (zero.has_value() && zero->defined())
+    return grouped_linear<Int8ZeroFormat>(x, packed, scale, &*zero, bias, group_size, at::kChar);
   return grouped_linear<Int8Format>(x, packed, scale, nullptr, bias, group_size, at::kChar);
 }
 
@@ -549,7 +559,9 @@ at::Tensor packed_linear_w4a8(const at::Tensor& x, const at::Tensor& packed, con
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor? bias, int group_size) -> Tensor");
-  m.def("packed_linear_int8_grouped(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int group_size) -> Tensor");
+  m.def(
+      "packed_linear_int8_grouped(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int group_size, "
+      "Tensor? zero=None) -> Tensor");
   m.def("packed_linear_w4a8(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor? bias, int group_size) -> Tensor");
 }
 

@@ -26,9 +26,11 @@ at::Tensor packed_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
 // cpu_gemm_grouped.cpp: int4 weights as packed_linear_int4's, activations quantized to int8 inside.
 at::Tensor packed_linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size);
-// cpu_gemm_grouped.cpp: group-wise int8 (Q8_0-like), packed as packed_linear_int8's; scale [N / 16, K / G, 16].
+// cpu_gemm_grouped.cpp: group-wise int8 (Q8_0-like), packed as packed_linear_int8's; scale (and the
+// optional zero point: W = (q - z) s) [N / 16, K / G, 16].
 at::Tensor packed_linear_int8_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                                      const std::optional<at::Tensor>& bias, int64_t group_size);
+                                      const std::optional<at::Tensor>& bias, int64_t group_size,
+                                      const std::optional<at::Tensor>& zero);
 // cpu_lora.cpp: y [T, O] += each token's LoRA delta (slot -1: none); b: one [S * R, O_i] per projection.
 void lora_add_(at::Tensor y, const at::Tensor& x, const at::Tensor& a, at::TensorList b, const at::Tensor& token_slots,
                int64_t max_loras, int64_t max_rank);

@@ -6,9 +6,9 @@ on an AVX2 machine, a third of the step. The op runs the same kernels in the sam
 result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
-with the kernels built; every linear of the layers in one method, packed fp32, ``int8``,
-``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit), ``w4a8`` or
-int8 groups (GGUF's Q8_0) (a bias only
+with the kernels built; every linear of the layers in a method the op runs, packed fp32,
+``int8``, ``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit),
+``w4a8`` or int8 groups (GGUF's other block types), each linear its own (a bias only
 on qkv); one rank, or tensor-parallel ranks joined by the shared-memory
 all-reduce (``distributed/shm_allreduce.py``: the op sums o_proj's and down_proj's outputs over the
 ranks with its C++ protocol, where the modules' RowParallelLinear calls the same op, and a step
@@ -55,7 +55,9 @@ class DecodeStack:
     scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8, int4)
     comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8) or weight_zero (int4)
     qkv_bias: list[torch.Tensor | None]
-    method: int  # 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8, 5 int8 groups (csrc/cpu_decode_stack.cpp's Method)
+    # Per linear: 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8, 5 int8 groups (csrc/cpu_decode_stack.cpp's
+    # Method); a GGUF file's layers may mix them (4-bit linears beside int8-group ones).
+    methods: list[int]
     kv_cache: list[torch.Tensor]
     windows: list[int]
     final_norm: torch.Tensor
@@ -91,7 +93,7 @@ class DecodeStack:
             self.scales,
             self.comps,
             self.qkv_bias,
-            self.method,
+            self.methods,
             0,  # w8a8 path: the best this build compiled, as W8A8LinearMethod.apply uses
             self.kv_cache,
             self.windows,
@@ -143,10 +145,7 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
     if not layers or not all(_layer_fits(layer, attention_cls, mlp_cls) for layer in layers):
         return None
     linears = [lin for la in layers for lin in _linears(la)]
-    methods = {_method(lin) for lin in linears}  # no None: every layer fit
-    if len(methods) != 1:
-        return None
-    method = cast(int, methods.pop())
+    methods = [cast(int, _method(lin)) for lin in linears]  # no None: every layer fit
     lora, tp = _lora_tensors(linears), _tp(linears)
     if lora is None or tp is None:
         return None
@@ -171,10 +170,10 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
         input_norm=[la.input_layernorm.weight for la in layers],
         post_norm=[la.post_attention_layernorm.weight for la in layers],
         linears=[lin.weight for lin in linears],
-        scales=[getattr(lin, "weight_scale", None) if method else None for lin in linears],
-        comps=[_comp(lin, method) for lin in linears],
+        scales=[getattr(lin, "weight_scale", None) if method else None for lin, method in zip(linears, methods)],
+        comps=[_comp(lin, method) for lin, method in zip(linears, methods)],
         qkv_bias=[la.self_attn.qkv_proj.bias for la in layers],
-        method=method,
+        methods=methods,
         kv_cache=[la.self_attn.attn.kv_cache for la in layers],
         windows=[la.self_attn.attn.sliding_window or 0 for la in layers],
         final_norm=model.norm.weight,
@@ -228,9 +227,10 @@ _PACKED, _INT8, _W8A8, _INT4, _W4A8, _INT8_GROUPS = 0, 1, 2, 3, 4, 5
 
 
 def _comp(linear: Any, method: int) -> torch.Tensor | None:
-    """The op's second per-linear tensor: w8a8's compensation, int4's (and w4a8's) zero points."""
+    """The op's second per-linear tensor: w8a8's compensation, the zero points of int4, w4a8 and
+    int8 groups (None for symmetric groups)."""
     zero = getattr(linear, "weight_zero", None)
-    return {_W8A8: getattr(linear, "weight_comp", None), _INT4: zero, _W4A8: zero}.get(method)
+    return {_W8A8: getattr(linear, "weight_comp", None), _INT4: zero, _W4A8: zero, _INT8_GROUPS: zero}.get(method)
 
 
 def _method(linear: Any) -> int | None:

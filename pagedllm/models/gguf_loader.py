@@ -20,8 +20,11 @@ import torch
 from pagedllm.gguf_config import read_metadata
 from pagedllm.gguf_metadata import GGUFMetadata, TensorInfo
 from pagedllm.layers.quantization.gguf import (
+    INT8_SUFFIXES,
     Q4_SUFFIXES,
     Q8_SUFFIXES,
+    blocks_to_int8,
+    is_int8_linear,
     is_q4_linear,
     is_q8_linear,
     q4_to_int4,
@@ -70,8 +73,9 @@ def iterate_gguf(
     accepts), one at a time from the memory-mapped file. The header (``header`` if the caller
     has read it) is read, and a bad file refused, now, before the caller allocates the model.
     ``keep_blocks``: a linear's Q4_0 / Q4_1 / Q4_K weight comes as its int4 parts instead
-    (``layers/quantization/gguf.py``: ``...q_proj.gguf_q``, ``.gguf_scale``, ``.gguf_zero``), and a
-    Q8_0 one as its int8 values and block scales (``.gguf_q8``, ``.gguf_q8_scale``)."""
+    (``layers/quantization/gguf.py``: ``...q_proj.gguf_q``, ``.gguf_scale``, ``.gguf_zero``), a
+    Q8_0 one as its int8 values and block scales (``.gguf_q8``, ``.gguf_q8_scale``), and a Q5_0 /
+    Q5_1 / Q5_K / Q6_K one as int8 groups of 16 (``.gguf_qz``, ``.gguf_qz_scale``, ``.gguf_qz_zero``)."""
     return _dequantized(header or read_metadata(path), path, arch, keep, keep_blocks)
 
 
@@ -90,10 +94,14 @@ def _dequantized(
         if keep is not None and not keep(hf_name):
             continue  # never dequantized: another pipeline stage's tensor
         qtype = GGMLQuantizationType(info.ggml_type).name
-        if keep_blocks and (is_q4_linear(hf_name, qtype) or is_q8_linear(hf_name, qtype)):
+        if keep_blocks and any(is_form(hf_name, qtype) for is_form in (is_q4_linear, is_q8_linear, is_int8_linear)):
             raw = _rows(name, info, file[header.data_offset :], path)
             suffixes, parts = (
-                (Q4_SUFFIXES, q4_to_int4(raw, qtype)) if qtype != "Q8_0" else (Q8_SUFFIXES, q8_to_int8(raw))
+                (Q4_SUFFIXES, q4_to_int4(raw, qtype))
+                if is_q4_linear(hf_name, qtype)
+                else (Q8_SUFFIXES, q8_to_int8(raw))
+                if qtype == "Q8_0"
+                else (INT8_SUFFIXES, blocks_to_int8(raw, qtype))
             )
             for suffix, part in zip(suffixes, parts):
                 yield hf_name.removesuffix("weight") + suffix, torch.from_numpy(unpermute_qk(name, part, arch))

@@ -1,6 +1,6 @@
 """GGUF's 4-bit linears on the int4 kernel (``layers/quantization/gguf.py``): Q4_0 / Q4_1 / Q4_K
-blocks repack to (q, scale, zero) that dequantize to what gguf-py decodes, a fused layer whose
-parts mix 4-bit and float tensors runs as float, and a GGUF model loads 4-bit by default with the
+blocks repack to (q, scale, zero) that dequantize to what gguf-py decodes; Q8_0, the 5- and 6-bit
+types and layers mixing block types stay int8 groups; a fused layer with a float part runs as float, and a GGUF model loads 4-bit by default with the
 greedy tokens of transformers' own (dequantizing) GGUF loader."""
 
 from __future__ import annotations
@@ -14,8 +14,17 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.layers.linear import MergedColumnParallelLinear
-from pagedllm.layers.quantization import building_with
-from pagedllm.layers.quantization.gguf import GGUFConfig, GGUFLinearMethod, q4_to_int4, q8_to_int8
+from pagedllm.layers.quantization import building_with, int8_groups
+from pagedllm.layers.quantization.gguf import (
+    INT8_SUFFIXES,
+    Q4_SUFFIXES,
+    Q8_SUFFIXES,
+    GGUFConfig,
+    GGUFLinearMethod,
+    blocks_to_int8,
+    q4_to_int4,
+    q8_to_int8,
+)
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
 from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod, GroupedInt8Method
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
@@ -64,50 +73,103 @@ def test_q4_k_repacks_to_the_dequantized_weights() -> None:
     assert np.array_equal(got[0, :256], want[0, :256])
 
 
+def _random_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
+    """Random blocks of a K-quant gguf-py cannot write (any bits, sane float16 scales)."""
+    size, headers = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}[qtype]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    for at in headers:
+        d = rng.uniform(0.001, 0.05, size=blocks.shape[0]).astype(np.float16)
+        blocks[:, at : at + 2] = np.frombuffer(d.tobytes(), np.uint8).reshape(-1, 2)
+    return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q4_K", "Q8_0"])
+def test_5_and_6_bit_types_repack_to_int8_groups_of_16(qtype: str) -> None:
+    if qtype.endswith("_K"):
+        raw = _random_blocks(qtype, 8, 512, seed=3)
+    else:
+        raw = gguf_quantize(_weights(8, 512), GGMLQuantizationType[qtype])
+    want = gguf_dequantize(raw, GGMLQuantizationType[qtype])
+    q, scale, zero = blocks_to_int8(raw, qtype)
+    assert q.dtype == np.int8 and scale.shape == zero.shape == (8, 512 // 16)
+    got = int8_groups.dequantize_groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero)).numpy()
+    if qtype in ("Q5_0", "Q6_K", "Q8_0"):  # symmetric: the file's integers times its scales, bitwise
+        assert np.array_equal(got, want) and not zero.any()
+    else:  # an offset: the zero point is offset / scale (float rounding)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
+
+
 def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinear, torch.Tensor]:
-    """gate/up of 32 outputs each over 64 inputs, each part given as Q4_0 parts or a float tensor;
-    returns the layer after loading and the reference ``x @ W.T`` of the dequantized weights."""
+    """gate/up of 32 outputs each over 256 inputs, each part given as GGUF blocks of a type
+    ("q4": Q4_0, "q8": Q8_0, "q5": Q5_1, "q6k": Q6_K) streamed as the loader streams them, or
+    as a float tensor; returns the layer after loading and the reference ``x @ W.T`` of the
+    dequantized weights."""
     with building_with(GGUFConfig()):
-        layer = MergedColumnParallelLinear(64, [32, 32], bias=False)
+        layer = MergedColumnParallelLinear(256, [32, 32], bias=False)
     params = dict(layer.named_parameters())
     reference = []
-    for shard, (kind, w) in enumerate(zip(parts, np.split(_weights(64, 64), 2))):
-        qtype = GGMLQuantizationType.Q8_0 if kind == "q8" else GGMLQuantizationType.Q4_0
-        raw = gguf_quantize(w, qtype)
-        if kind == "q4":
-            for name, part in zip(("gguf_q", "gguf_scale", "gguf_zero"), q4_to_int4(raw, "Q4_0")):
-                params[name].weight_loader(params[name], torch.from_numpy(part), shard)
-        elif kind == "q8":
-            for name, part in zip(("gguf_q8", "gguf_q8_scale"), q8_to_int8(raw)):
-                params[name].weight_loader(params[name], torch.from_numpy(part), shard)
-        else:
+    qtypes = {"q4": "Q4_0", "q8": "Q8_0", "q5": "Q5_1", "q6k": "Q6_K"}
+    for shard, (kind, w) in enumerate(zip(parts, np.split(_weights(64, 256), 2))):
+        if kind == "float":
             params["weight"].weight_loader(params["weight"], torch.from_numpy(w), shard)
-        reference.append(gguf_dequantize(raw, qtype) if kind != "float" else w)
+            reference.append(w)
+            continue
+        qtype = qtypes[kind]
+        raw = (
+            _random_blocks(qtype, 32, 256, shard) if qtype == "Q6_K" else gguf_quantize(w, GGMLQuantizationType[qtype])
+        )
+        if kind == "q4":
+            names, values = Q4_SUFFIXES, q4_to_int4(raw, qtype)
+        elif kind == "q8":
+            names, values = Q8_SUFFIXES, q8_to_int8(raw)
+        else:
+            names, values = INT8_SUFFIXES, blocks_to_int8(raw, qtype)
+        for name, part in zip(names, values):
+            params[name].weight_loader(params[name], torch.from_numpy(part), shard)
+        reference.append(gguf_dequantize(raw, GGMLQuantizationType[qtype]))
     layer.quant_method.process_weights_after_loading(layer)
     return layer, x @ torch.from_numpy(np.concatenate(reference)).T
 
 
 def test_a_layer_of_4bit_parts_runs_the_int4_kernel_and_mixed_parts_run_float() -> None:
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 256)
     layer, want = _layer(["q4", "q4"], x)
     assert isinstance(layer.quant_method, GGUFLinearMethod) and layer.weight.dtype == torch.uint8
     assert not hasattr(layer, "gguf_q")
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # the kernel's own summation order
     layer, want = _layer(["q4", "float"], x)
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
-    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # fp32 GEMM vs torch: summation order
 
 
-def test_q8_0_parts_stay_int8_groups_and_mixed_block_kinds_run_float() -> None:
-    x = torch.randn(3, 64)
-    layer, want = _layer(["q8", "q8"], x)
-    assert isinstance(layer.quant_method, GroupedInt8Method) and layer.weight.dtype == torch.int8
-    assert not hasattr(layer, "gguf_q8")
-    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # the file's values, the kernel's sums
-    for parts in (["q8", "q4"], ["float", "q8"]):
+@pytest.mark.parametrize(
+    "parts,group,zero",
+    [
+        (["q8", "q8"], 32, False),  # Q8_0 throughout: its blocks of 32, no zero point
+        (["q6k", "q6k"], 16, False),  # Q6_K: groups of 16, symmetric
+        (["q4", "q6k"], 16, True),  # a Q4_K_M-like qkv: 4-bit parts with a Q6_K part
+        (["q8", "q4"], 16, True),
+        (["q5", "q8"], 16, True),
+    ],
+)
+def test_block_types_other_than_4bit_stay_int8_groups(parts: list[str], group: int, zero: bool) -> None:
+    x = torch.randn(3, 256)
+    layer, want = _layer(parts, x)
+    method = layer.quant_method
+    assert isinstance(method, GroupedInt8Method) and layer.weight.dtype == torch.int8 and method.group_size == group
+    assert (layer.weight_zero is not None) == zero
+    assert not any(hasattr(layer, name) for name in (*Q4_SUFFIXES, *Q8_SUFFIXES, *INT8_SUFFIXES))
+    # The file's values, the kernel's sums (random Q6_K blocks reach |w| ~ 200: a relative bound).
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_a_float_part_makes_the_layer_float() -> None:
+    x = torch.randn(3, 256)
+    for parts in (["float", "q8"], ["q6k", "float"]):
         layer, want = _layer(parts, x)
         assert isinstance(layer.quant_method, UnquantizedLinearMethod)
-        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
 
 
 def test_a_layer_missing_a_part_names_it() -> None:
@@ -251,7 +313,7 @@ def test_a_q8_0_gguf_keeps_int8_linears_with_transformers_greedy_tokens(
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
     stack = _model(llm).model._decode_stack  # the int8-group linears run in the decode stack ...
-    assert stack is not None and stack.method == 5
+    assert stack is not None and set(stack.methods) == {5}
     logprobs = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     stacked = llm.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)
     del llm
@@ -259,3 +321,49 @@ def test_a_q8_0_gguf_keeps_int8_linears_with_transformers_greedy_tokens(
     modules = LLM(str(path), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
     for a, b in zip(stacked, modules.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+
+
+def test_a_mixed_gguf_keeps_its_5_bit_linears_int8_with_transformers_greedy_tokens(
+    llama_model_dir: Path, tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Like a Q4_K_M file: 4-bit linears with attn_v and ffn_down in more bits (Q5_1 and Q5_0 here,
+    which gguf-py can write), so qkv mixes 4- and 5-bit parts."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.entrypoints.bench.gguf_export import write_gguf
+    from pagedllm.hf_config import load_hf_config
+
+    state: dict[str, Any] = {}
+    for f in sorted(llama_model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    path = write_gguf(
+        state,
+        load_hf_config(llama_model_dir),
+        tmp_path_factory.mktemp("mixed") / "tiny-mixed.gguf",
+        quant="Q4_1",
+        overrides={"attn_v": "Q5_1", "ffn_down": "Q5_0"},
+    )
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    llm = LLM(str(path), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
+    layer = _model(llm).model.layers[0]
+    qkv, down, gate_up = layer.self_attn.qkv_proj, layer.mlp.down_proj, layer.mlp.gate_up_proj
+    assert isinstance(qkv.quant_method, GroupedInt8Method) and qkv.weight_zero is not None  # Q4_1 + Q5_1
+    assert isinstance(down.quant_method, GroupedInt8Method) and down.weight_zero is None  # Q5_0: symmetric
+    assert isinstance(gate_up.quant_method, GGUFLinearMethod) and gate_up.weight.dtype == torch.uint8
+    prompts = [[5, 17, 99, 3, 250], [42, 7, 7, 300, 11, 64, 2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    llm.llm_engine.check_integrity()
+    stack = _model(llm).model._decode_stack  # one C++ call with each linear's own method
+    assert stack is not None and stack.methods[:4] == [5, 3, 3, 5]  # qkv, o, gate_up, down
+    logprobs = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
+    stacked = llm.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)
+    del llm
+    monkeypatch.setenv("PAGEDLLM_CPU_DECODE_STACK", "0")  # the stack is bitwise the modules
+    modules = LLM(str(path), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
+    for a, b in zip(stacked, modules.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
+    modules.llm_engine.check_integrity()

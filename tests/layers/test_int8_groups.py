@@ -1,6 +1,6 @@
 """The LM head in int8 groups of 32 (``layers/quantization/int8_groups.py``): the kernel
-(csrc/cpu_gemm_grouped.cpp, packed_linear_int8_grouped) at every ISA level against an exact numpy
-dequantize-then-matmul, the quantizer (Q8_0 blocks come back exactly), and the head of each format."""
+(csrc/cpu_gemm_grouped.cpp, packed_linear_int8_grouped, with and without zero points) at every
+ISA level against an exact numpy dequantize-then-matmul, the quantizer (Q8_0 blocks come back exactly), and the head of each format."""
 
 import numpy as np
 import pytest
@@ -26,31 +26,48 @@ def _random(n: int, k: int, group: int, rng: np.random.Generator) -> tuple[np.nd
     return q, scale
 
 
-def _reference(x: np.ndarray, q: np.ndarray, scale: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    w = q.astype(np.float64) * np.repeat(scale.astype(np.float64), q.shape[1] // scale.shape[1], axis=1)
+def _reference(
+    x: np.ndarray, q: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, zero: np.ndarray | None = None
+) -> np.ndarray:
+    group = q.shape[1] // scale.shape[1]
+    values = q.astype(np.float64) - (0.0 if zero is None else np.repeat(zero.astype(np.float64), group, axis=1))
+    w = values * np.repeat(scale.astype(np.float64), group, axis=1)
     y = x.astype(np.float64) @ w.T
     return y if bias is None else y + bias
 
 
-def _run(op, x: np.ndarray, q: np.ndarray, scale: np.ndarray, bias: np.ndarray | None, group: int) -> np.ndarray:
+def _run(
+    op,
+    x: np.ndarray,
+    q: np.ndarray,
+    scale: np.ndarray,
+    bias: np.ndarray | None,
+    group: int,
+    zero: np.ndarray | None = None,
+) -> np.ndarray:
     return op(
         torch.from_numpy(x),
         cpu_gemm_kernels.pack_int8(torch.from_numpy(q)),
         cpu_gemm_kernels.pack_groups(torch.from_numpy(scale)),
         None if bias is None else torch.from_numpy(bias),
         group,
+        None if zero is None else cpu_gemm_kernels.pack_groups(torch.from_numpy(zero)),
     ).numpy()
 
 
+@pytest.mark.parametrize("with_zero", [False, True])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group):
+def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group, with_zero):
     rng = np.random.default_rng(rows * 1000 + n + k)
     q, scale = _random(n, k, group, rng)
+    # With zero points (GGUF's 5-bit types, 4-bit parts of a mixed layer): W = (q - z) * s.
+    zero = (rng.random(scale.shape) * 31).astype(np.float32) if with_zero else None
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32) if rows % 2 else None
-    got = _run(isa_ops.packed_linear_int8_grouped.default, x, q, scale, bias, group)
-    np.testing.assert_allclose(got, _reference(x, q, scale, bias), rtol=1e-4, atol=1e-4)
+    got = _run(isa_ops.packed_linear_int8_grouped.default, x, q, scale, bias, group, zero)
+    want = _reference(x, q, scale, bias, zero)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())))
 
 
 @pytest.fixture(scope="module")

@@ -136,13 +136,16 @@ def write_gguf(
     quant: str | None = None,
     arch: str = "llama",
     head_quant: str | None = SAME,
+    overrides: dict[str, str | None] | None = None,
 ) -> Path:
     """Write ``state`` (an HF Llama or Qwen2 state dict) with ``config`` (its config.json dict) to
     ``path``; ``quant`` (a GGML type name such as "Q8_0" or "Q4_0") quantizes every matrix whose
     rows fit its blocks, the rest stays float32. ``head_quant``: the type of the LM head matrix
     (``output.weight``, or ``token_embd.weight`` when the embeddings are tied): the same as the
     others (default), None for float32, or a GGML type name (llama.cpp's ``llama-quantize`` keeps
-    it at Q8_0 or Q6_K in its 4-bit types)."""
+    it at Q8_0 or Q6_K in its 4-bit types). ``overrides``: a type by tensor kind (the name's part
+    before ``.weight``, e.g. ``{"attn_v": "Q5_1", "ffn_down": "Q5_0"}``, as llama.cpp's mixed
+    ``_M`` types keep those in more bits)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
@@ -152,6 +155,9 @@ def write_gguf(
     head = "output.weight" if untied else "token_embd.weight"
     for name, array in gguf_tensors(state, config, permute=arch == "llama"):
         tensor_quant = quant if head_quant == SAME or name != head else head_quant
+        kind = name.removesuffix(".weight").rsplit(".", 1)[-1]
+        if overrides and kind in overrides and name != head:
+            tensor_quant = overrides[kind]
         _add_tensor(writer, name, np.ascontiguousarray(array, dtype=np.float32), tensor_quant)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

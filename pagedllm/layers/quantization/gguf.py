@@ -12,10 +12,17 @@ scale is 0 is constant (the offset alone): it is stored as q = 1, s = offset, z 
 
 Q8_0 linears (W = d q, q int8 per 32 inputs) stay 8-bit the same way: their int8 values and
 block scales (``q8_to_int8``, exact) on the group-wise int8 op (``int8_groups.GroupedInt8Method``).
-The other tensor types of a GGUF file (F32, F16, Q5_K, Q6_K, ...) load dequantized to float32, as
-without this method; a fused projection whose parts mix kinds (Q4_K_M files keep some ``attn_v`` /
-``ffn_down`` in Q6_K) runs as float32 too. So each linear registers every form, filled lazily (an
-unused form never allocates), and ``process_weights_after_loading`` keeps one.
+The 5- and 6-bit types stay 8-bit too, as int8 groups of 16 with a zero point, W = (q - z) * s
+(``blocks_to_int8``; 12 bits a weight instead of float32's 32):
+  Q6_K (210-byte blocks of 256): 6-bit q - 32, an int8 scale per 16, d:  s = d sc, z = 0 (exact)
+  Q5_0 (22-byte blocks of 32): d, 5-bit q:                            W = d (q - 16): s = d, z = 0
+  Q5_1 (24-byte blocks of 32): d, m, 5-bit q:                         W = d q + m
+  Q5_K (176-byte blocks of 256): Q4_K's with a fifth bit per value:  W = d sc q - dmin mn
+and so does a fused projection whose parts mix block types (Q4_K_M files keep ``attn_v`` and
+some ``ffn_down`` in Q6_K): each part's values and scales as its type has them (a 32-input
+group's scale and zero twice). A layer with a float part (F32, F16, or a type without a kernel
+form) loads dequantized to float32, as without this method. So each linear registers every form,
+filled lazily (an unused form never allocates), and ``process_weights_after_loading`` keeps one.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from torch import nn
 
 from pagedllm.layers.quantization import int8_groups
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
-from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize
+from pagedllm.layers.quantization.int4 import Int4KernelMethod
 from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
@@ -42,6 +49,10 @@ Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 Q4_SUFFIXES = ("gguf_q", "gguf_scale", "gguf_zero")
 # Q8_0 linears stream as their int8 values and block scales and stay int8 (``int8_groups``).
 Q8_SUFFIXES = ("gguf_q8", "gguf_q8_scale")
+# The 5- and 6-bit types stream as int8 groups of 16 with a zero point (``blocks_to_int8``).
+INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+INT8_SUFFIXES = ("gguf_qz", "gguf_qz_scale", "gguf_qz_zero")
+INT8_GROUP = 16
 
 
 def q4_to_int4(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -65,6 +76,74 @@ def q8_to_int8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     rows = raw.shape[0]
     blocks = np.ascontiguousarray(raw).reshape(-1, 34)
     return blocks[:, 2:].view(np.int8).reshape(rows, -1).copy(), _f16(blocks[:, 0:2]).reshape(rows, -1)
+
+
+def blocks_to_int8(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``raw`` uint8 [rows, row_bytes] of one of ``INT8_TYPES`` (or a 4-bit type, or Q8_0) -> (q
+    int8 [rows, K], scale and zero float32 [rows, K / 16]) with W = (q - zero) * scale: the file's
+    integers; the scales as gguf-py multiplies them (a zero point, where the type has an offset,
+    is offset / scale, as for the 4-bit types)."""
+    rows = raw.shape[0]
+    if qtype in Q4_TYPES:
+        q4, scale32, zero32 = q4_to_int4(raw, qtype)
+        return q4.astype(np.int8), _by16(scale32), _by16(zero32)
+    if qtype == "Q8_0":
+        q8, scale32 = q8_to_int8(raw)
+        return q8, _by16(scale32), np.zeros((rows, q8.shape[1] // INT8_GROUP), dtype=np.float32)
+    if qtype == "Q6_K":
+        blocks = np.ascontiguousarray(raw).reshape(-1, 210)
+        q = (_q6_k_values(blocks) - 32).astype(np.int8)
+        scale = _f16(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
+        return q.reshape(rows, -1), scale.reshape(rows, -1), np.zeros((rows, scale.size // rows), dtype=np.float32)
+    if qtype == "Q5_0":
+        blocks = np.ascontiguousarray(raw).reshape(-1, 22)
+        q = (_q5_values(blocks[:, 2:6], blocks[:, 6:22]).astype(np.int16) - 16).astype(np.int8)
+        d = _f16(blocks[:, 0:2])
+        return q.reshape(rows, -1), _by16(d.reshape(rows, -1)), np.zeros((rows, q.size // rows // 16), np.float32)
+    if qtype == "Q5_1":
+        blocks = np.ascontiguousarray(raw).reshape(-1, 24)
+        q5 = _q5_values(blocks[:, 4:8], blocks[:, 8:24])
+        q, scale, zero = _zero_points(q5, _f16(blocks[:, 0:2]), -_f16(blocks[:, 2:4]))
+    elif qtype == "Q5_K":
+        from gguf.quants import Q4_K
+
+        blocks = np.ascontiguousarray(raw).reshape(-1, 176)
+        d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
+        q5 = _q5_k_values(blocks[:, 16:48], blocks[:, 48:176]).reshape(-1, GROUP)
+        scale = d[:, None] * sc.astype(np.float32)
+        q, scale, zero = _zero_points(q5, scale.reshape(-1), (dmin[:, None] * mn.astype(np.float32)).reshape(-1))
+    else:
+        raise ValueError(f"no int8 form for GGUF type {qtype}")
+    return q.astype(np.int8).reshape(rows, -1), _by16(scale.reshape(rows, -1)), _by16(zero.reshape(rows, -1))
+
+
+def _by16(per32: np.ndarray) -> np.ndarray:
+    """[rows, K / 32] -> [rows, K / 16]: a 32-input group's value for each of its halves."""
+    return np.repeat(per32, 2, axis=1)
+
+
+def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
+    """Q6_K blocks [B, 210] -> their unsigned 6-bit values [B, 256]: per half of 128, the low
+    nibbles of 64 bytes then their high nibbles, each with 2 bits of a 32-byte run (bits 0-1 for
+    the first 32 values, 2-3, 4-5, 6-7 for the next)."""
+    low = _nibbles(blocks[:, 0:128], 64)
+    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    return low | (high.reshape(-1, 256) << np.uint8(4))
+
+
+def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1 blocks' 32-bit high bits [B, 4] and nibbles [B, 16] -> values [B, 32]: value j
+    is nibble j (low nibbles first) with bit j of the little-endian word as its fifth bit."""
+    bits = np.ascontiguousarray(qh).view("<u4").reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+    return _nibbles(qs, 16) | ((bits & 1).astype(np.uint8) << np.uint8(4))
+
+
+def _q5_k_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
+    """Q5_K's high bits [B, 32] and nibbles [B, 128] -> values [B, 256]: group g of 32 (the low
+    nibbles of a 32-byte run, then its high ones) takes bit g of each of the 32 high-bit bytes."""
+    high = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return _nibbles(qs, 32) | (high.reshape(-1, 256) << np.uint8(4))
 
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
@@ -115,7 +194,8 @@ def _lazy_param(
 
 class GGUFLinearMethod(Int4KernelMethod):
     """A linear of a GGUF file: int4 when every part is a 4-bit block type, int8 groups of 32
-    (``int8_groups.GroupedInt8Method``) when every part is Q8_0, else float32."""
+    (``int8_groups.GroupedInt8Method``) when every part is Q8_0, int8 groups of 16 with zero
+    points for any other mix of block types, float32 when a part is float."""
 
     format_name = "gguf"
 
@@ -125,6 +205,7 @@ class GGUFLinearMethod(Int4KernelMethod):
         self.float_parts: set[Any] = set()
         self.q4_parts: set[Any] = set()
         self.q8_parts: set[Any] = set()
+        self.int8_parts: set[Any] = set()
         self.converted = False
 
     def create_weights(
@@ -144,57 +225,96 @@ class GGUFLinearMethod(Int4KernelMethod):
                 _lazy_param(layer, name, shape, dtype, weight_loader, self.q4_parts)
             for name, shape, dtype in zip(Q8_SUFFIXES, q_shapes, (torch.int8, torch.float32)):
                 _lazy_param(layer, name, shape, dtype, weight_loader, self.q8_parts)
+            by16 = (n, input_size // INT8_GROUP)
+            for name, shape, dtype in zip(INT8_SUFFIXES, (q_shapes[0], by16, by16), (torch.int8, *[torch.float32] * 2)):
+                _lazy_param(layer, name, shape, dtype, weight_loader, self.int8_parts)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.converted:
             return
         parts = list(range(len(self.output_sizes))) if len(self.output_sizes) > 1 else [None]
-        missing = [p for p in parts if p not in self.float_parts | self.q4_parts | self.q8_parts]
+        missing = [p for p in parts if p not in self.float_parts | self.q4_parts | self.q8_parts | self.int8_parts]
         if missing:
             raise ValueError(
                 f"the GGUF file has no tensor for part(s) {missing} of a linear layer with outputs "
                 f"{self.output_sizes}; the file does not match the model's shapes"
             )
-        q4 = [getattr(layer, name).data for name in Q4_SUFFIXES] if self.q4_parts else None
-        q8 = [getattr(layer, name).data for name in Q8_SUFFIXES] if self.q8_parts else None
-        for name in (*Q4_SUFFIXES, *Q8_SUFFIXES):
+        forms = {
+            kind: [getattr(layer, name).data for name in suffixes]
+            for kind, suffixes, filled in (
+                ("q4", Q4_SUFFIXES, self.q4_parts),
+                ("q8", Q8_SUFFIXES, self.q8_parts),
+                ("int8", INT8_SUFFIXES, self.int8_parts),
+            )
+            if filled
+        }
+        for name in (*Q4_SUFFIXES, *Q8_SUFFIXES, *INT8_SUFFIXES):
             if hasattr(layer, name):
                 delattr(layer, name)
         self.converted = True
-        if q4 is not None and not self.float_parts and q8 is None:
-            q, scale, zero = q4
+        if not self.float_parts and set(forms) == {"q4"}:
+            q, scale, zero = forms["q4"]
             self.finish_int4(layer, q, scale, zero, None)
             return
-        if q8 is not None and not self.float_parts and q4 is None and int8_groups.can_store(q8[0]):
-            int8_method = int8_groups.GroupedInt8Method()
-            int8_method.store(layer, *q8)
-            cast(Any, layer).quant_method = int8_method
-            return
-        # A fused projection with parts of several kinds (or no kernel for them): all float.
-        if q4 is not None:
-            self._fill_float(layer, dequantize(*q4), self.q4_parts)
-        if q8 is not None:
-            self._fill_float(layer, int8_groups.dequantize_groups(*q8), self.q8_parts)
-        if self.int8_activations:
+        if self.int8_activations and forms:
             logger.warning(
                 "w4a8: a linear with outputs %s is not stored in a 4-bit block type (Q4_0 / Q4_1 / Q4_K) in the "
-                "GGUF file; it runs as float32 with float activations (the decode stack then stays off)",
+                "GGUF file throughout; it runs as int8 groups with float activations",
                 self.output_sizes,
             )
+        int8_method = int8_groups.GroupedInt8Method()
+        if not self.float_parts and set(forms) == {"q8"} and int8_groups.can_store(forms["q8"][0]):
+            int8_method.store(layer, *forms["q8"])
+            cast(Any, layer).quant_method = int8_method
+            return
+        held = self._int8_form(forms) if forms else None
+        if held is not None and not self.float_parts and int8_groups.can_store(held[0]):
+            zero = held[2] if bool(held[2].any()) else None  # symmetric types only (Q6_K, Q5_0, Q8_0)
+            int8_method.store(layer, held[0], held[1], zero)
+            cast(Any, layer).quant_method = int8_method
+            return
+        # A float part (or no kernel for the blocks): all float.
+        if held is not None:
+            blocks = self.q4_parts | self.q8_parts | self.int8_parts
+            self._fill_float(layer, int8_groups.dequantize_groups(*held), blocks)
         method = UnquantizedLinearMethod()
         cast(Any, layer).quant_method = method
         method.process_weights_after_loading(layer)
 
+    def _int8_form(self, forms: dict[str, list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The block parts as one int8 layer of groups of 16 with zero points (q, scale, zero; a
+        float part's rows stay 0): 4-bit values as they are, a 32-input group's scale and zero twice."""
+        rows, k = next(iter(forms.values()))[0].shape
+        q = torch.zeros(rows, k, dtype=torch.int8)
+        scale, zero = (torch.zeros(rows, k // INT8_GROUP) for _ in range(2))
+        for kind, parts in (("q4", self.q4_parts), ("q8", self.q8_parts), ("int8", self.int8_parts)):
+            if kind not in forms:
+                continue
+            values = forms[kind]
+            kind_zero = values[2] if len(values) == 3 else torch.zeros_like(values[1])
+            by16 = INT8_GROUP if kind == "int8" else GROUP
+            for start, end in self._rows_of(parts):
+                q[start:end] = values[0][start:end].to(torch.int8)
+                scale[start:end] = values[1][start:end].repeat_interleave(by16 // INT8_GROUP, dim=1)
+                zero[start:end] = kind_zero[start:end].repeat_interleave(by16 // INT8_GROUP, dim=1)
+        return q, scale, zero
+
+    def _rows_of(self, parts: set[Any]) -> list[tuple[int, int]]:
+        """The output rows [start, end) of each of ``parts`` (a block kind's)."""
+        spans, start = [], 0
+        for part, size in enumerate(self.output_sizes):
+            if part in parts or (part == 0 and None in parts):
+                spans.append((start, start + size))
+            start += size
+        return spans
+
     def _fill_float(self, layer: nn.Module, w: torch.Tensor, parts: set[Any]) -> None:
-        """The rows of ``parts`` (a block kind's) of the float weight from that kind's dequantization ``w``."""
+        """The rows of ``parts`` (the block kinds') of the float weight from their dequantization ``w``."""
         weight = cast(nn.Parameter, layer.weight)
         if weight.numel() == 0:
             weight.data = torch.empty(w.shape, dtype=self.params_dtype)
-        start = 0
-        for part, size in enumerate(self.output_sizes):
-            if part in parts or (part == 0 and None in parts):
-                weight.data[start : start + size] = w[start : start + size]
-            start += size
+        for start, end in self._rows_of(parts):
+            weight.data[start:end] = w[start:end]
 
 
 class GGUFConfig(QuantizationConfig):
@@ -226,6 +346,11 @@ def is_q4_linear(hf_name: str, qtype: str) -> bool:
 def is_q8_linear(hf_name: str, qtype: str) -> bool:
     """Whether a GGUF tensor streams as int8-group parts (``Q8_SUFFIXES``)."""
     return qtype == "Q8_0" and _is_linear(hf_name)
+
+
+def is_int8_linear(hf_name: str, qtype: str) -> bool:
+    """Whether a GGUF tensor streams as int8 groups of 16 with zero points (``INT8_SUFFIXES``)."""
+    return qtype in INT8_TYPES and _is_linear(hf_name)
 
 
 def _is_linear(hf_name: str) -> bool:

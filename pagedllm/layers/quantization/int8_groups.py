@@ -46,7 +46,7 @@ GroupedInt8Gemm = Callable[..., torch.Tensor]
 
 @lru_cache(maxsize=1)
 def load_grouped_int8_gemm() -> GroupedInt8Gemm | None:
-    """``packed_linear_int8_grouped(x, packed, scale, bias, group_size)`` of the selected build,
+    """``packed_linear_int8_grouped(x, packed, scale, bias, group_size, zero=None)`` of the selected build,
     or None when the CPU kernels are disabled or the build failed."""
     ops = cpu_ops()
     return None if ops is None else ops.packed_linear_int8_grouped.default
@@ -68,9 +68,11 @@ def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, 
     return q, scale
 
 
-def dequantize_groups(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """q * scale as float32 [N, K] (the kernel's weights, the tests' reference)."""
-    return q.float() * scale.repeat_interleave(q.shape[1] // scale.shape[1], dim=1)
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> torch.Tensor:
+    """q * scale, or (q - zero) * scale, as float32 [N, K] (the kernel's weights, the tests' reference)."""
+    group = q.shape[1] // scale.shape[1]
+    values = q.float() if zero is None else q.float() - zero.repeat_interleave(group, dim=1)
+    return values * scale.repeat_interleave(group, dim=1)
 
 
 def can_take(w: torch.Tensor) -> bool:
@@ -90,8 +92,9 @@ def _not_loaded_yet(*args: object) -> torch.Tensor:
 
 
 class GroupedInt8Method(LinearMethodBase):
-    """A layer held as int8 groups (W = q * s, a scale per output and G inputs) on the group-wise
-    op; ``store`` takes q and the scales (a GGUF file's Q8_0 blocks as they are, or a quantized head)."""
+    """A layer held as int8 groups (W = q * s, a scale per output and G inputs; W = (q - z) * s
+    with a zero point per group too) on the group-wise op; ``store`` takes q, the scales and the
+    zero points if any (a GGUF file's blocks as they are, or a quantized head)."""
 
     def __init__(self) -> None:
         self._kernel: GroupedInt8Gemm = _not_loaded_yet
@@ -108,17 +111,19 @@ class GroupedInt8Method(LinearMethodBase):
     ) -> None:
         create_dense_weight(layer, input_size, output_sizes, params_dtype, weight_loader)
 
-    def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
-        """Hold q [N, K] int8 and scale [N, K / G] float32 packed for the op (``can_store`` said yes)."""
+    def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> None:
+        """Hold q [N, K] int8, scale (and zero) [N, K / G] float32 packed for the op (``can_store``
+        said yes)."""
         # A new parameter: a tied embedding keeps its float table for lookups.
         layer.weight = nn.Parameter(pack_int8(q), requires_grad=False)
         layer.register_buffer("weight_scale", pack_groups(scale), persistent=False)
+        layer.register_buffer("weight_zero", None if zero is None else pack_groups(zero), persistent=False)
         kernel = load_grouped_int8_gemm()
         assert kernel is not None, "can_store checked that the kernel built"
         self._kernel, self.group_size, self.quantized = kernel, q.shape[1] // scale.shape[1], True
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return self._kernel(x, layer.weight, layer.weight_scale, bias, self.group_size)
+        return self._kernel(x, layer.weight, layer.weight_scale, bias, self.group_size, layer.weight_zero)
 
 
 def can_store(q: torch.Tensor) -> bool:
