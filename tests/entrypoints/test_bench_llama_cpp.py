@@ -77,6 +77,25 @@ def test_weights_labels_follow_the_flags() -> None:
     assert llama_cpp.weights_label(_flags("q8_0", "q4_0")) == "Q8_0, head Q4_0"
 
 
+def test_the_pagedllm_label_names_the_lm_head_as_built() -> None:
+    import argparse
+    import types
+
+    from pagedllm.entrypoints.bench.latency import pagedllm_weights
+    from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
+    from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
+    from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
+
+    def label(quantization: str | None, head: Any) -> str:
+        model = types.SimpleNamespace(lm_head=types.SimpleNamespace(quant_method=head))
+        return pagedllm_weights(argparse.Namespace(dtype="float32", quantization=quantization), model)
+
+    assert label("int4", GroupedInt8HeadMethod()) == "int4, head int8 g32"
+    assert label("w8a8", W8A8LinearMethod()) == "w8a8, head w8a8"
+    assert label("int8", UnquantizedLinearMethod()) == "int8, head float32"  # a head the kernel could not take
+    assert label(None, None) == "float32"
+
+
 def test_latency_table_names_each_systems_weights(capsys: Any, tmp_path: Path, model: BenchModel) -> None:
     from .test_bench import latency_args
 

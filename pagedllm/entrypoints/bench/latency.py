@@ -218,12 +218,20 @@ def run_pagedllm(
 def pagedllm_weights(args: argparse.Namespace, model: Any) -> str:
     """What pagedllm computes with, for the tables: the method and its LM head's form (as built)."""
     from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
+    from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 
     dtype = canonical_dtype(args.dtype)
     if args.quantization in (None, "none"):
         return dtype
     head = getattr(getattr(model, "lm_head", None), "quant_method", None)
-    return f"{args.quantization}, head {'int8 g32' if isinstance(head, GroupedInt8HeadMethod) else dtype}"
+    form = (
+        "int8 g32"
+        if isinstance(head, GroupedInt8HeadMethod)
+        else "w8a8"
+        if isinstance(head, W8A8LinearMethod)
+        else dtype
+    )
+    return f"{args.quantization}, head {form}"
 
 
 # ---------------------------------------------------------------------------------------------- baselines

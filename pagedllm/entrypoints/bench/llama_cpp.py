@@ -66,8 +66,8 @@ def add_gguf_args(g: Any) -> None:
         default="auto",
         help="llama.cpp's LM head (the tied embedding matrix): auto = as llama-quantize writes this shape (f32 "
         "in an f32 file, else q8_0: 576 columns are not a multiple of 256 for its Q6_K), as pagedllm's "
-        "int8 / int4 / w8a8 hold theirs (int8 groups of 32, Q8_0's rule); f32 = the work pagedllm does without "
-        "--quantization",
+        "int8 / int4 / w4a8 hold theirs (int8 groups of 32, Q8_0's rule; w8a8 runs its head as W8A8); f32 = the "
+        "work pagedllm does without --quantization",
     )
 
 
