@@ -103,12 +103,14 @@ class ModelArgs:
         "weight bytes, faster small-batch decode; int4: weight-only group-wise int4 (groups of 128 inputs, "
         "a scale and zero point each): an eighth of the bytes; w8a8 (CPU only): int8 weights and per-token "
         "int8 activations (int8 dot products), faster large-batch decode and prefill; w4a8 (CPU only): int4's "
-        "weights with int8 activations per 32 inputs, as llama.cpp's Q4 types; these hold the LM head in int8 "
-        "groups of 32. CPU: float32 activations, C++ kernels; CUDA: Triton kernels, any float dtype. "
+        "weights with int8 activations per 32 inputs, as llama.cpp's Q4 types; int8 / int4 / w4a8 hold the LM "
+        "head in int8 groups of 32, w8a8 runs it as W8A8. CPU: float32 activations, C++ kernels; CUDA: Triton "
+        "kernels, any float dtype. "
         "Quantized checkpoints are detected from config.json's quantization_config (naming their method "
         "here is optional): awq / gptq run on the int4 kernel; fp8, compressed-tensors and bitsandbytes "
         "load onto the int8 layers. A GGUF file loads as gguf by default on CPU (its Q4_0 / Q4_1 / Q4_K "
-        "linears on the int4 kernel, the other tensors float32); none: dequantize it all to float",
+        "linears on the int4 kernel, Q8_0 / Q5 / Q6_K linears and layers mixing block types as int8 groups, "
+        "the other tensors float32); none: dequantize it all to float",
         choices=("none", *QUANTIZATION_METHODS),
         default_help="off",
         aliases=("-q",),

