@@ -21,12 +21,12 @@
 // the block's k steps.
 //
 // Two paths:
-// - Fewer than 16 rows (decode): the fused tile. Per group it sums x[m, k] * q[n, k] over the group's k in
+// - Fewer than 20 rows (decode): the fused tile. Per group it sums x[m, k] * q[n, k] over the group's k in
 //   registers (the weights are widened to floats as they are loaded, never stored), then folds
 //   the group in: acc += s * (sum - z * sum_k x[m, k]) (int8: acc += s * sum; the x sums per group
 //   are computed once per call). Each weight byte is read once per row tile; the widening is the
 //   tile's main work besides the FMAs (AVX-512 int4: a shift and a vpermps per 16 weights).
-// - 16 rows and more (prefill, big batches): compute-bound, so the vector work of widening must not be
+// - 20 rows and more (prefill, big batches): compute-bound, so the vector work of widening must not be
 //   paid per row. Each thread dequantizes a group of 4 panels into a small fp32 buffer in the fp32
 //   kernel's layout (exactly (q - z) * s, or q * s) and runs the fp32 micro-kernel
 //   (cpu_gemm_common.h) on it for all rows.
@@ -58,11 +58,12 @@ using namespace pagedllm_gemm;
 
 namespace {
 
-// From this many rows the dequantize-then-fp32 path is used. Measured for int4 on the
-// SmolLM2-shaped linears (benchmarks/int4_decode.py, AVX-512, one thread): at 8 rows it took 1.8x
-// the fused tile's time at 7, and at 16 rows it was level with fp32; the fused tile's widening per
-// row tile grows with the rows, the dequantization is paid once.
-constexpr int64_t kDequantRows = 16;
+// From this many rows the dequantize-then-fp32 path is used: the fused tile's widening grows with
+// the row tiles (4 rows each on AVX-512), the dequantization is paid once. Measured on the
+// SmolLM2-shaped int4 linears (benchmarks/int4_decode.py --baseline, AVX-512 Zen 4, 2 threads): 16
+// and 19 rows took 26.7 / 30.4 ms fused against 28.9 / 32.5 dequantized, level at 20 and 24 rows;
+// the int8-group LM head at 16 rows 6.3 ms fused against 7.8.
+constexpr int64_t kDequantRows = 20;
 
 // Both layouts: block b of panel j of the group starting at panel g is at
 // g * (K / kSteps) * kBlockBytes + (b * width + j) * kBlockBytes, width the group's panels (4; the

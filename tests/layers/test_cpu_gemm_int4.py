@@ -10,9 +10,9 @@ from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import int4, int8_groups
 from tests.layers.int4_reference import as_tensor, dequantize, random_int4, reference_linear
 
-# Rows 1-15: every fused tile height (1-4) and remainders; from 16 the dequantize-then-fp32
-# path: 16, 17 and 64 (the fp32 micro-kernel's row tiles and remainders).
-ROWS = [1, 2, 3, 4, 5, 7, 9, 15, 16, 17, 64]
+# Rows 1-19: every fused tile height (1-4) and remainders; from 20 the dequantize-then-fp32
+# path: 20, 21 and 64 (the fp32 micro-kernel's row tiles and remainders).
+ROWS = [1, 2, 3, 4, 5, 7, 9, 15, 16, 19, 20, 21, 64]
 # (N, K, G): one panel; 3 and 4 + 3 panels (a partial thread group); K not a multiple of any
 # vector width, with small and single groups; a wide K.
 SHAPES = [(16, 16, 16), (48, 96, 32), (112, 40, 8), (80, 24, 24), (32, 200, 40), (64, 1536, 128)]

@@ -12,8 +12,8 @@ from pagedllm.layers.quantization import building_with, get_quantization_config,
 from pagedllm.layers.quantization.gguf import GGUFConfig
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 
-# Rows 1-15 run the fused tile (heights 1-4 and remainders), from 16 the dequantize-then-fp32 path.
-ROWS = [1, 2, 3, 4, 5, 7, 15, 16, 17, 64]
+# Rows 1-19 run the fused tile (heights 1-4 and remainders), from 20 the dequantize-then-fp32 path.
+ROWS = [1, 2, 3, 4, 5, 7, 16, 19, 20, 21, 64]
 # (N, K, G): one panel; a full interleaved group of 4 panels plus a 3-panel tail (112 = 64 + 48);
 # a 2-panel tail; single and many groups along K.
 SHAPES = [(16, 32, 32), (112, 64, 32), (96, 96, 32), (32, 16, 16), (208, 576, 32)]
