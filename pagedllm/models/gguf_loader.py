@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -19,17 +20,7 @@ import torch
 
 from pagedllm.gguf_config import read_metadata
 from pagedllm.gguf_metadata import GGUFMetadata, TensorInfo
-from pagedllm.layers.quantization.gguf import (
-    INT8_SUFFIXES,
-    Q4_SUFFIXES,
-    Q8_SUFFIXES,
-    blocks_to_int8,
-    is_int8_linear,
-    is_q4_linear,
-    is_q8_linear,
-    q4_to_int4,
-    q8_to_int8,
-)
+from pagedllm.layers.quantization.gguf import block_parts
 from pagedllm.model_arch import ModelArchConfig
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -94,16 +85,13 @@ def _dequantized(
         if keep is not None and not keep(hf_name):
             continue  # never dequantized: another pipeline stage's tensor
         qtype = GGMLQuantizationType(info.ggml_type).name
-        if keep_blocks and any(is_form(hf_name, qtype) for is_form in (is_q4_linear, is_q8_linear, is_int8_linear)):
-            raw = _rows(name, info, file[header.data_offset :], path)
-            suffixes, parts = (
-                (Q4_SUFFIXES, q4_to_int4(raw, qtype))
-                if is_q4_linear(hf_name, qtype)
-                else (Q8_SUFFIXES, q8_to_int8(raw))
-                if qtype == "Q8_0"
-                else (INT8_SUFFIXES, blocks_to_int8(raw, qtype))
-            )
-            for suffix, part in zip(suffixes, parts):
+        parts = (
+            block_parts(hf_name, qtype, partial(_rows, name, info, file[header.data_offset :], path))
+            if keep_blocks
+            else None
+        )
+        if parts is not None:
+            for suffix, part in parts:
                 yield hf_name.removesuffix("weight") + suffix, torch.from_numpy(unpermute_qk(name, part, arch))
             continue
         weights = unpermute_qk(name, dequantize(name, info, file[header.data_offset :], path), arch)

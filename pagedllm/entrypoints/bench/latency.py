@@ -224,13 +224,8 @@ def pagedllm_weights(args: argparse.Namespace, model: Any) -> str:
     if args.quantization in (None, "none"):
         return dtype
     head = getattr(getattr(model, "lm_head", None), "quant_method", None)
-    form = (
-        "int8 g32"
-        if isinstance(head, GroupedInt8HeadMethod)
-        else "w8a8"
-        if isinstance(head, W8A8LinearMethod)
-        else dtype
-    )
+    forms = ((GroupedInt8HeadMethod, "int8 g32"), (W8A8LinearMethod, "w8a8"))
+    form = next((name for cls, name in forms if isinstance(head, cls)), dtype)
     return f"{args.quantization}, head {form}"
 
 

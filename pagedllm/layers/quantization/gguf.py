@@ -28,7 +28,7 @@ filled lazily (an unused form never allocates), and ``process_weights_after_load
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, cast
 
 import numpy as np
@@ -79,17 +79,11 @@ def q8_to_int8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def blocks_to_int8(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``raw`` uint8 [rows, row_bytes] of one of ``INT8_TYPES`` (or a 4-bit type, or Q8_0) -> (q
-    int8 [rows, K], scale and zero float32 [rows, K / 16]) with W = (q - zero) * scale: the file's
-    integers; the scales as gguf-py multiplies them (a zero point, where the type has an offset,
-    is offset / scale, as for the 4-bit types)."""
+    """``raw`` uint8 [rows, row_bytes] of one of ``INT8_TYPES`` -> (q int8 [rows, K], scale and
+    zero float32 [rows, K / 16]) with W = (q - zero) * scale: the file's integers; the scales as
+    gguf-py multiplies them (a zero point, where the type has an offset, is offset / scale, as for
+    the 4-bit types). (A layer's 4-bit and Q8_0 parts join this form in ``GGUFLinearMethod``.)"""
     rows = raw.shape[0]
-    if qtype in Q4_TYPES:
-        q4, scale32, zero32 = q4_to_int4(raw, qtype)
-        return q4.astype(np.int8), _by16(scale32), _by16(zero32)
-    if qtype == "Q8_0":
-        q8, scale32 = q8_to_int8(raw)
-        return q8, _by16(scale32), np.zeros((rows, q8.shape[1] // INT8_GROUP), dtype=np.float32)
     if qtype == "Q6_K":
         blocks = np.ascontiguousarray(raw).reshape(-1, 210)
         q = (_q6_k_values(blocks) - 32).astype(np.int8)
@@ -256,30 +250,29 @@ class GGUFLinearMethod(Int4KernelMethod):
             q, scale, zero = forms["q4"]
             self.finish_int4(layer, q, scale, zero, None)
             return
-        if self.int8_activations and forms:
+        method: LinearMethodBase
+        if forms and not self.float_parts and int8_groups.can_store(next(iter(forms.values()))[0]):
+            method = int8_groups.GroupedInt8Method()
+            if set(forms) == {"q8"}:  # Q8_0 throughout: its own groups of 32, no zero point
+                method.store(layer, *forms["q8"])
+            else:
+                q, scale, zero = self._int8_form(forms)
+                method.store(layer, q, scale, zero if bool(zero.any()) else None)  # None: symmetric types only
+            cast(Any, layer).quant_method = method
+        else:  # a float part (or no kernel for the blocks): all float
+            if forms:
+                blocks = self.q4_parts | self.q8_parts | self.int8_parts
+                self._fill_float(layer, int8_groups.dequantize_groups(*self._int8_form(forms)), blocks)
+            method = UnquantizedLinearMethod()
+            cast(Any, layer).quant_method = method
+            method.process_weights_after_loading(layer)
+        if self.int8_activations:
             logger.warning(
-                "w4a8: a linear with outputs %s is not stored in a 4-bit block type (Q4_0 / Q4_1 / Q4_K) in the "
-                "GGUF file throughout; it runs as int8 groups with float activations",
+                "w4a8: a linear with outputs %s is not stored in a 4-bit block type (Q4_0 / Q4_1 / Q4_K) "
+                "throughout in the GGUF file; it runs as %s with float activations",
                 self.output_sizes,
+                "int8 groups" if isinstance(method, int8_groups.GroupedInt8Method) else "float32",
             )
-        int8_method = int8_groups.GroupedInt8Method()
-        if not self.float_parts and set(forms) == {"q8"} and int8_groups.can_store(forms["q8"][0]):
-            int8_method.store(layer, *forms["q8"])
-            cast(Any, layer).quant_method = int8_method
-            return
-        held = self._int8_form(forms) if forms else None
-        if held is not None and not self.float_parts and int8_groups.can_store(held[0]):
-            zero = held[2] if bool(held[2].any()) else None  # symmetric types only (Q6_K, Q5_0, Q8_0)
-            int8_method.store(layer, held[0], held[1], zero)
-            cast(Any, layer).quant_method = int8_method
-            return
-        # A float part (or no kernel for the blocks): all float.
-        if held is not None:
-            blocks = self.q4_parts | self.q8_parts | self.int8_parts
-            self._fill_float(layer, int8_groups.dequantize_groups(*held), blocks)
-        method = UnquantizedLinearMethod()
-        cast(Any, layer).quant_method = method
-        method.process_weights_after_loading(layer)
 
     def _int8_form(self, forms: dict[str, list[torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The block parts as one int8 layer of groups of 16 with zero points (q, scale, zero; a
@@ -338,19 +331,20 @@ class GGUFConfig(QuantizationConfig):
         return GroupedInt8HeadMethod() if self.quantized_head else UnquantizedLinearMethod()
 
 
-def is_q4_linear(hf_name: str, qtype: str) -> bool:
-    """Whether a GGUF tensor (by its Hugging Face name and type name) streams as int4 parts."""
-    return qtype in Q4_TYPES and _is_linear(hf_name)
-
-
-def is_q8_linear(hf_name: str, qtype: str) -> bool:
-    """Whether a GGUF tensor streams as int8-group parts (``Q8_SUFFIXES``)."""
-    return qtype == "Q8_0" and _is_linear(hf_name)
-
-
-def is_int8_linear(hf_name: str, qtype: str) -> bool:
-    """Whether a GGUF tensor streams as int8 groups of 16 with zero points (``INT8_SUFFIXES``)."""
-    return qtype in INT8_TYPES and _is_linear(hf_name)
+def block_parts(hf_name: str, qtype: str, raw: Callable[[], np.ndarray]) -> list[tuple[str, np.ndarray]] | None:
+    """A linear's GGUF tensor (by its Hugging Face name and type name) as the parts it streams as,
+    (suffix, array) in ``GGUFLinearMethod``'s forms from its rows' bytes ``raw()``: int4 parts
+    (``Q4_SUFFIXES``), Q8_0's int8 values and scales (``Q8_SUFFIXES``) or int8 groups of 16
+    (``INT8_SUFFIXES``); None for a tensor that loads dequantized."""
+    if not _is_linear(hf_name):
+        return None
+    if qtype in Q4_TYPES:
+        return list(zip(Q4_SUFFIXES, q4_to_int4(raw(), qtype)))
+    if qtype == "Q8_0":
+        return list(zip(Q8_SUFFIXES, q8_to_int8(raw())))
+    if qtype in INT8_TYPES:
+        return list(zip(INT8_SUFFIXES, blocks_to_int8(raw(), qtype)))
+    return None
 
 
 def _is_linear(hf_name: str) -> bool:
