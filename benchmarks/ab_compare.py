@@ -2,7 +2,7 @@
 64-request ``pagedllm bench throughput``, alternating base and new run by run so that drift in
 the machine's speed hits both sides alike.
 
-    python -m benchmarks.ab_compare --base 06e3832 --new HEAD --rounds 3
+    python -m benchmarks.ab_compare --base 06e3832 --new HEAD --rounds 3 [--temperature 1.0]
 
 Each commit is checked out into a temporary git worktree and run from there
 (``PYTHONPATH=<worktree>``), so the package under test is exactly that commit. Prints one
@@ -94,8 +94,16 @@ def main() -> int:
         default=sorted(BENCHMARKS),
         help="which to run (default: both)",
     )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="passed to bench latency (both refs must know the flag; default: its greedy decoding)",
+    )
     p.add_argument("--output-json", default=None, metavar="PATH")
     args = p.parse_args()
+    if args.temperature is not None:
+        BENCHMARKS["latency"] = ([*LATENCY, "--temperature", str(args.temperature)], latency_figures)
     samples: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     with tempfile.TemporaryDirectory(prefix="pagedllm-ab-") as tmp:
         trees = {side: checkout(getattr(args, side), Path(tmp) / side) for side in ("base", "new")}

@@ -66,6 +66,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-steps", type=int, default=16, help="timed decode steps per batch size")
     p.add_argument("--prefill-len", type=int, default=512)
     p.add_argument("--prefill-iters", type=int, default=3, help="timed prefills (median), after one warm-up")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="pagedllm's sampling temperature (0: greedy, the default; vLLM's latency benchmark samples at 1.0). "
+        "The llama.cpp and HF baselines time their forward passes only",
+    )
     common.add_limits_args(p)
     p.add_argument("--hf-baseline", action="store_true", help="also time a plain HF forward loop")
     p.add_argument("--llama-cpp-baseline", action="store_true", help="also time llama.cpp (llama-cpp-python)")
@@ -98,12 +105,12 @@ def _make_engine(args: argparse.Namespace, model: common.BenchModel, cost: machi
     return LLMEngine.from_engine_args(EngineArgs(**common.engine_kwargs(args, model, **overrides)))
 
 
-def _add(engine: Any, rng: random.Random, vocab: int, prompt_len: int, max_tokens: int) -> str:
+def _add(engine: Any, rng: random.Random, vocab: int, prompt_len: int, max_tokens: int, temperature: float) -> str:
     from pagedllm.sampling_params import SamplingParams
 
     rid = engine.next_request_id()
     prompt = [rng.randrange(10, vocab) for _ in range(prompt_len)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=temperature, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     engine.add_request(rid, {"prompt_token_ids": prompt}, params)
     return rid
 
@@ -127,7 +134,7 @@ def measure_decode(
     vocab: int,
 ) -> Measurement:
     total = args.warmup_steps + args.decode_steps + 4
-    ids = [_add(engine, rng, vocab, args.decode_prompt_len, total) for _ in range(batch)]
+    ids = [_add(engine, rng, vocab, args.decode_prompt_len, total, args.temperature) for _ in range(batch)]
     _step_until_first_tokens(engine, ids)
     for _ in range(args.warmup_steps):
         engine.step()
@@ -171,7 +178,7 @@ def measure_prefill(
 ) -> Measurement:
     times, core, model = [], 0.0, 0.0
     for i in range(args.prefill_iters + 1):
-        _add(engine, rng, vocab, args.prefill_len, 1)
+        _add(engine, rng, vocab, args.prefill_len, 1, args.temperature)
         probe.reset()
         start = time.perf_counter()
         while engine.has_unfinished_requests():
@@ -363,6 +370,8 @@ def median_over_rounds(rounds: list[list[Measurement]]) -> list[Measurement]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if min(args.batch_sizes) < 1 or args.decode_steps < 1 or args.prefill_iters < 1 or args.rounds < 1:
         raise ValueError("--batch-sizes, --decode-steps, --prefill-iters and --rounds must be >= 1")
+    if args.temperature < 0:
+        raise ValueError(f"--temperature must be >= 0 (0 is greedy); got {args.temperature}")
     env = common.environment()
     with common.bench_model(args) as model:
         vocab, _ = common.model_limits(model.path)
@@ -376,7 +385,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         results = median_over_rounds(rounds)
     if args.rounds > 1:
         notes.append(f"each figure: the median of {args.rounds} rounds, the systems alternating")
-    print(f"\n{model.desc}; {common.env_line(env)}\n{machine.describe(limits, cost)}\n")
+    sampling = "greedy" if args.temperature == 0 else f"pagedllm samples at temperature {args.temperature:g}"
+    print(f"\n{model.desc}, {sampling}; {common.env_line(env)}\n{machine.describe(limits, cost)}\n")
     print(format_results(results))
     for note in notes:
         print(f"  {note}")
