@@ -177,13 +177,24 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row with the exponential race: argmax(probs / Exp(1) noise).
+    """Draw one token per row of ``probs`` [N, V] (non-negative float32 weights, any scale) by
+    inverse transform: the first token whose running sum passes ``u * total``, ``u ~ U[0, 1)``.
 
-    Equivalent to multinomial sampling, but every row uses exactly one V-sized draw, so
-    a seeded row redrawn from its own generator gets the same token whatever else is in
-    the batch. Modifies ``probs`` in place.
+    One uniform number per row: a seeded row draws it from its own generator, so it gets the same
+    token whatever else is in the batch. The running sums are stored in float32 but accumulated in
+    float64 (ATen's CPU cumsum), so each is the exact prefix sum rounded once: any token's (and
+    any run of tokens') probability is off by at most one float32 step of the total, 6e-8 of it,
+    as in ``torch.multinomial``. A token of weight 0 is never drawn. The exponential race (argmax
+    of probs / Exp(1) noise) is equivalent but needs V random numbers per row: on CPU
+    ``exponential_`` took ~1.1 ms per 49k-token row, 85 ms for a batch of 64, as long as the
+    model's own step.
     """
-    noise = torch.empty_like(probs).exponential_()
+    u = torch.rand(probs.shape[0], device=probs.device)
     for row, generator in generators.items():
-        noise[row].exponential_(generator=generator)
-    return probs.div_(noise).argmax(dim=-1)
+        u[row] = torch.rand(1, device=probs.device, generator=generator)[0]
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    # Strictly below the total, so the search ends on a token of positive weight even when
+    # u * total rounds up to it (past the last such token the running sums stay at the total).
+    target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)

@@ -216,7 +216,7 @@ def _recover(
     else:
         residual = (target - draft_probs.index_select(0, rows)).clamp_(min=0.0)
     empty = residual.sum(dim=1, keepdim=True) <= 0.0
-    # The exponential race needs no normalisation: argmax(w / E) is the same for any scale of w.
+    # No normalisation needed: the draw scales its uniform number by each row's total.
     return random_sample(torch.where(empty, target, residual), generators)
 
 

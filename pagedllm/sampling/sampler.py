@@ -115,8 +115,7 @@ class Sampler:
             return processed.argmax(dim=-1), None
         greedy = None if md.all_random else processed.argmax(dim=-1)
         probs = self.probs(processed, md)
-        # The draw divides its input in place: keep an untouched copy only for a caller that wants it.
-        drawn = ops.random_sample(probs.clone() if keep_probs else probs, md.generators)
+        drawn = ops.random_sample(probs, md.generators)
         if greedy is not None:
             assert md.temperature is not None, "None only when every row is greedy (returned above)"
             drawn = torch.where(md.temperature < SAMPLING_EPS, greedy, drawn)
@@ -217,7 +216,7 @@ class Sampler:
             # Greedy rows never read the target probabilities; skip the softmax over the vocabulary.
             return processed[is_draft_row], argmax[last]
         probs = self.probs(processed, md)
-        drawn = ops.random_sample(probs[last].clone(), generators)
+        drawn = ops.random_sample(probs[last], generators)
         return probs[is_draft_row], torch.where(torch.tensor(is_greedy, device=probs.device), argmax[last], drawn)
 
 

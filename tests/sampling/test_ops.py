@@ -176,3 +176,29 @@ def test_random_sample_seeded_row_uses_only_its_generator() -> None:
     torch.manual_seed(1234)  # change the global stream: the seeded row must not care
     second = ops.random_sample(probs.clone(), {1: torch.Generator().manual_seed(3)})
     assert first[1].item() == second[1].item()
+
+
+def test_random_sample_follows_unnormalised_weights() -> None:
+    torch.manual_seed(0)
+    weights = torch.tensor([[0.3, 0.0, 0.6, 0.9, 1.2]])  # 0.1 / 0 / 0.2 / 0.3 / 0.4 of the mass
+    tokens = ops.random_sample(weights.repeat(20_000, 1), {})
+    freq = torch.bincount(tokens, minlength=5).double() / 20_000
+    # 3.5 standard deviations of a frequency near 0.25 over 20k draws is 0.011.
+    assert torch.allclose(freq, torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4], dtype=torch.float64), atol=0.011)
+
+
+@pytest.mark.parametrize("top", [1.0 - 2.0**-24, 1.0])
+def test_random_sample_at_the_top_of_the_uniform_range_picks_the_last_weighted_token(monkeypatch, top) -> None:
+    # The draw must end on a weighted token, not the zero-weight ones after it, even for a
+    # uniform number of exactly 1 (u * total == total).
+    monkeypatch.setattr(ops.torch, "rand", lambda n, **kw: torch.full((n,), top))
+    probs = torch.tensor([[0.75, 0.0, 2.25, 0.0, 0.0], [0.1, 0.2, 0.3, 0.4, 0.0], [1.0, 1.0, 1.0, 0.0, 0.0]])
+    assert ops.random_sample(probs, {}).tolist() == [2, 3, 2]
+
+
+def test_random_sample_draws_one_number_per_seeded_row() -> None:
+    # A seeded row's generator advances by one draw per sample, whatever the vocabulary size.
+    generator, twin = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    ops.random_sample(torch.full((2, 50_000), 1.0), {0: generator})
+    torch.rand(1, generator=twin)
+    assert torch.equal(generator.get_state(), twin.get_state())

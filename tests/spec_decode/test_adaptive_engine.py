@@ -72,7 +72,10 @@ def test_low_acceptance_backs_off_while_copying_keeps_speculating(llama_model_di
     low_drafts, copy_drafts = device.verified("low"), device.verified("copy")
     assert device.steps[0].spec_token_limits == {}  # both start uncapped
     assert sum(low_drafts[:20]) >= K  # and the random text did speculate at first
-    assert sum(low_drafts[-60:]) <= 4  # and ended decoding plainly, but for a probe or two
+    # ... and ended decoding plainly (60 steps of full speculation would verify 240 proposals), but
+    # for probes: one accepted by chance (1 in 16) buys a few single proposals until rejections
+    # close it again.
+    assert sum(low_drafts[-60:]) <= 8
     assert sum(copy_drafts[-30:]) >= 0.8 * 30 * K  # the copying request kept all its proposals
 
 
