@@ -43,6 +43,18 @@ ENV_VARS: dict[str, EnvVar] = {
             "0 runs CPU decode steps layer by layer in Python instead of one C++ call for the decoder stack",
         ),
         EnvVar(
+            "PAGEDLLM_KEEP_FREED_MEMORY",
+            "1",
+            "0 leaves glibc's allocator thresholds alone (default: once loaded, a CPU worker keeps freed blocks "
+            "up to 32 MiB mapped for reuse, so a step's large tensors do not page-fault every step)",
+        ),
+        EnvVar(
+            "MALLOC_MMAP_THRESHOLD_",
+            "",
+            "glibc's own tunable; when set (or MALLOC_TRIM_THRESHOLD_), pagedllm does not change the thresholds",
+        ),
+        EnvVar("MALLOC_TRIM_THRESHOLD_", "", "glibc's own tunable; see MALLOC_MMAP_THRESHOLD_"),
+        EnvVar(
             "PAGEDLLM_EXECUTOR_TIMEOUT_S",
             "300",
             "tensor / pipeline parallelism: seconds a step may wait for a worker rank before it counts as hung",

@@ -30,6 +30,7 @@ from pagedllm.worker.cuda_graph import graphs_enabled
 from pagedllm.worker.flat_batch import build_flat_batch
 from pagedllm.worker.kv_layers import attention_layers
 from pagedllm.worker.model_runner import ModelRunner
+from pagedllm.worker.host_memory import keep_freed_memory
 from pagedllm.worker.threads import set_intra_op_threads
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,8 @@ class Worker:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         with self.startup.phase("KV cache"):
             self.model_runner.initialize_kv_cache(num_blocks)
+        if self.device.type == "cpu":  # the weights and the cache are placed: steps reuse what they free
+            keep_freed_memory()
         if self.device.type == "cuda":
             with self.startup.phase("CUDA graphs"):
                 self.model_runner.capture_cuda_graphs()
