@@ -47,7 +47,9 @@ def keep_freed_memory() -> bool:
     if envs.get("MALLOC_MMAP_THRESHOLD_") or envs.get("MALLOC_TRIM_THRESHOLD_"):
         return False
     libc = ctypes.CDLL(None)
-    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+    ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+    )
     if ok:
         logger.debug("host allocator: blocks up to 32 MiB from the heap, up to 1 GiB of free heap kept")
     else:

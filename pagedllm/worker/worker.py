@@ -28,9 +28,9 @@ from pagedllm.sampling.sampler import compute_logprobs_topk
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import graphs_enabled
 from pagedllm.worker.flat_batch import build_flat_batch
+from pagedllm.worker.host_memory import keep_freed_memory
 from pagedllm.worker.kv_layers import attention_layers
 from pagedllm.worker.model_runner import ModelRunner
-from pagedllm.worker.host_memory import keep_freed_memory
 from pagedllm.worker.threads import set_intra_op_threads
 
 logger = logging.getLogger(__name__)
