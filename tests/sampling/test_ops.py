@@ -202,3 +202,18 @@ def test_random_sample_draws_one_number_per_seeded_row() -> None:
     ops.random_sample(torch.full((2, 50_000), 1.0), {0: generator})
     torch.rand(1, generator=twin)
     assert torch.equal(generator.get_state(), twin.get_state())
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05])  # peaked rows (nucleus among the candidates) and nearly flat ones
+def test_top_k_top_p_by_selection_equals_the_sort(scale: float) -> None:
+    gen = torch.Generator().manual_seed(0)
+    vocab = 4 * ops.NUCLEUS_CANDIDATES
+    logits = torch.randn(12, vocab, generator=gen) * scale
+    small_k = torch.tensor([0, 5, 40, 0, 0, vocab, 200, 0, 1, 0, 60, 0])  # by selection
+    large_k = torch.tensor([0, 5, 40, 0, 0, vocab, 3 * vocab // 4, 0, 1, 0, 600, 0])  # a quarter: sorted
+    top_p = torch.tensor([0.9, 1.0, 0.5, 0.99, 1e-6, 0.7, 0.95, 1.0, 0.3, 0.6, 0.8, 0.999])
+    for k, p in ((small_k, None), (large_k, None), (None, top_p), (small_k, top_p), (large_k, top_p)):
+        selected = ops.apply_top_k_top_p(logits.clone(), k, p)
+        sorted_ = ops._sorted_top_k_top_p(logits.clone(), k, p)
+        assert torch.equal(torch.isfinite(selected), torch.isfinite(sorted_))
+        assert torch.equal(selected[torch.isfinite(selected)], logits[torch.isfinite(selected)])
