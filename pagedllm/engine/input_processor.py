@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 from typing import Any
 
@@ -310,6 +311,9 @@ def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, g
             f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
             f"(max_model_len) is {max_model_len}{room}; {advice}"
         )
+    wrong_type = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+    if wrong_type:
+        raise ValueError(f"prompt token ids must be integers; got {wrong_type[:5]!r}")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
