@@ -84,7 +84,9 @@ def main() -> None:
         for name, values in samples.items():
             step = statistics.median(values)
             rows.append((batch, name, f"{step * 1e3:.1f}", f"{batch / step:.0f}", f"{step / greedy:.2f}x"))
-            report["results"].append({"batch": batch, "parameters": name, "step_s": step, "step_over_greedy": step / greedy})
+            report["results"].append(
+                {"batch": batch, "parameters": name, "step_s": step, "step_over_greedy": step / greedy}
+            )
         engine.check_integrity()
         del engine
     print(env_line(report["env"]))

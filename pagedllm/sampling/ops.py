@@ -84,14 +84,39 @@ def _index(rows: list[int], cols: list[int], device: torch.device) -> tuple[torc
 
 
 # --------------------------------------------------------------------------- penalties
-def token_bin_counts(token_ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Per-row occurrence counts [N, V] of ``token_ids`` [N, L] padded with ``vocab_size``.
+# Sparse: each op touches only the logits of the tokens a row has seen ([N, L] gathers and scatters),
+# never a dense [N, V] count or mask (at 64 rows of a 49k vocabulary each such pass is 12-25 MB).
 
-    The pad id lands in an extra column that is dropped, so padding needs no mask.
+
+def _distinct(token_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's distinct tokens, from ``token_ids`` [N, L] padded with ``vocab_size``: (the ids
+    sorted, padding at 0; a mask of each distinct id's first place; how often it occurs there)."""
+    ids, _ = token_ids.sort(dim=1)
+    valid = ids < vocab_size
+    first = valid.clone()
+    first[:, 1:] &= ids[:, 1:] != ids[:, :-1]
+    # A place's run starts at the last first place at or before it; a run's length is its count.
+    place = torch.arange(ids.shape[1], device=ids.device).expand_as(ids)
+    start = torch.where(first, place, 0).cummax(dim=1).values
+    counts = torch.zeros_like(ids).scatter_add_(1, start, valid.to(ids.dtype))
+    return torch.where(valid, ids, 0), first, counts
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
+    """Push seen tokens toward 'less likely': divide positive logits, multiply the others.
+
+    ``seen`` [N, L]: token ids padded with ``vocab_size`` (repeats allowed). A plain division
+    would make negative logits *more* likely, hence the sign split.
     """
-    counts = torch.zeros((token_ids.shape[0], vocab_size + 1), dtype=torch.int64, device=token_ids.device)
-    counts.scatter_add_(1, token_ids, torch.ones_like(token_ids))
-    return counts[:, :vocab_size]
+    vocab_size = logits.shape[1]
+    valid = seen < vocab_size
+    # Padding points at the row's first seen token and writes that token's value again, so the
+    # scatter's writes to one place all agree (a row with none writes column 0 back unchanged).
+    first_seen = seen.min(dim=1, keepdim=True).values
+    index = torch.where(valid, seen, torch.where(first_seen < vocab_size, first_seen, 0))
+    before = logits.gather(1, index)
+    scale = torch.where(valid.any(dim=1, keepdim=True), penalties.unsqueeze(1), 1.0)
+    return logits.scatter_(1, index, torch.where(before > 0, before / scale, before * scale))
 
 
 def apply_penalties(
@@ -108,23 +133,16 @@ def apply_penalties(
     count the output only. Token tensors are [N, L] int64 padded with vocab_size.
     """
     vocab_size = logits.shape[1]
-    output_counts = token_bin_counts(output_token_ids, vocab_size)
-    seen = output_counts > 0
-    if prompt_token_ids is not None:
-        seen |= token_bin_counts(prompt_token_ids, vocab_size) > 0
-    logits = apply_repetition_penalty(logits, seen, repetition_penalties)
-    logits -= frequency_penalties.unsqueeze(1) * output_counts
-    logits -= presence_penalties.unsqueeze(1) * (output_counts > 0)
+    seen = output_token_ids if prompt_token_ids is None else torch.cat([prompt_token_ids, output_token_ids], dim=1)
+    if seen.shape[1]:
+        logits = apply_repetition_penalty(logits, seen, repetition_penalties)
+    if output_token_ids.shape[1]:
+        ids, first, counts = _distinct(output_token_ids, vocab_size)
+        # Two adds, as logits - f * count - p would round: only each distinct token's first place adds.
+        zero = torch.zeros((), dtype=logits.dtype, device=logits.device)
+        logits.scatter_add_(1, ids, torch.where(first, -(frequency_penalties.unsqueeze(1) * counts), zero))
+        logits.scatter_add_(1, ids, torch.where(first, -presence_penalties.unsqueeze(1), zero))
     return logits
-
-
-def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalties: torch.Tensor) -> torch.Tensor:
-    """Push seen tokens toward 'less likely': divide positive logits, multiply the others.
-
-    A plain division would make negative logits *more* likely, hence the sign split.
-    """
-    scale = torch.where(seen, penalties.unsqueeze(1), 1.0)
-    return torch.where(logits > 0, logits / scale, logits * scale)
 
 
 # --------------------------------------------------------------------------- random-path ops

@@ -77,9 +77,45 @@ def test_penalties_without_prompt_tensor() -> None:
     assert out.tolist() == [[1.0, -1.0, 0.5, -2.0, 1.0, 0.0]]
 
 
-def test_token_bin_counts_drops_padding() -> None:
-    counts = ops.token_bin_counts(pad_token_ids([[1, 1, 3], [], [0]], 4), 4)
-    assert counts.tolist() == [[0, 2, 0, 1], [0, 0, 0, 0], [1, 0, 0, 0]]
+def test_distinct_tokens_counted_and_padding_dropped() -> None:
+    ids, first, counts = ops._distinct(pad_token_ids([[3, 1, 1], [], [0], [2, 2, 2]], 4), 4)
+    # Sorted: [1, 1, 3], padding only, [0, pad, pad], [2, 2, 2].
+    assert (ids * first).tolist() == [[1, 0, 3], [0, 0, 0], [0, 0, 0], [2, 0, 0]]
+    assert first.tolist() == [[True, False, True], [False] * 3, [True, False, False], [True, False, False]]
+    assert (counts * first).tolist() == [[2, 0, 1], [0, 0, 0], [1, 0, 0], [3, 0, 0]]
+
+
+def _dense_penalties(logits, prompt, output, pres, freq, rep):
+    """The penalties over dense [N, V] counts (the reference)."""
+    v = logits.shape[1]
+
+    def counts(ids):
+        c = torch.zeros((ids.shape[0], v + 1), dtype=torch.int64).scatter_add_(1, ids, torch.ones_like(ids))
+        return c[:, :v]
+
+    out_counts = counts(output)
+    seen = (out_counts > 0) | (counts(prompt) > 0)
+    scale = torch.where(seen, rep.unsqueeze(1), 1.0)
+    logits = torch.where(logits > 0, logits / scale, logits * scale)
+    logits -= freq.unsqueeze(1) * out_counts
+    logits -= pres.unsqueeze(1) * (out_counts > 0)
+    return logits
+
+
+def test_sparse_penalties_equal_the_dense_reference_exactly() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n, v = 9, 50
+    logits = torch.randn(n, v, generator=gen) * 3
+    logits[2, 7] = -INF  # a token an earlier constraint masked stays masked
+    lengths = torch.randint(0, 12, (2, n), generator=gen).tolist()
+    prompt = [torch.randint(0, v, (k,), generator=gen).tolist() for k in lengths[0]]
+    output = [torch.randint(0, 8, (k,), generator=gen).tolist() for k in lengths[1]]  # repeats
+    output[2] += [7, 7]
+    pres, freq = torch.rand(n, generator=gen), torch.rand(n, generator=gen) * 2 - 0.5
+    rep = torch.rand(n, generator=gen) + 0.5
+    sparse = ops.apply_penalties(logits.clone(), pad_token_ids(prompt, v), pad_token_ids(output, v), pres, freq, rep)
+    dense = _dense_penalties(logits.clone(), pad_token_ids(prompt, v), pad_token_ids(output, v), pres, freq, rep)
+    assert torch.equal(sparse, dense)
 
 
 # --------------------------------------------------------------------------- constraints
