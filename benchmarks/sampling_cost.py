@@ -40,13 +40,16 @@ def _engine(model: str, batch: int) -> LLMEngine:
     )
 
 
-def _time_steps(engine: LLMEngine, prompt_ids: list[int], batch: int, params: dict[str, Any], steps: int) -> float:
-    sampling = SamplingParams(max_tokens=steps + 8, ignore_eos=True, detokenize=False, seed=0, **params)
+def _time_steps(
+    engine: LLMEngine, prompt_ids: list[int], batch: int, params: dict[str, Any], steps: int, seed: int | None
+) -> float:
+    sampling = SamplingParams(max_tokens=steps + 8, ignore_eos=True, detokenize=False, seed=seed, **params)
     ids = [engine.next_request_id() for _ in range(batch)]
     for rid in ids:
         engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sampling)
-    while any(not out.outputs[0].token_ids for out in engine.step()):
-        pass  # prefill until every request has its first token
+    waiting = set(ids)
+    while waiting:  # prefill (in chunks) until every request has its first token
+        waiting -= {out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids}
     times = []
     for _ in range(steps):
         start = time.perf_counter()
@@ -61,6 +64,12 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[16, 64])
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="give every request this seed (its own generator); default: unseeded, as most traffic is",
+    )
     args = p.parse_args()
     path = installed_smollm2()
     if path is None:
@@ -79,7 +88,9 @@ def main() -> None:
         for r in range(args.rounds):
             names = list(PARAMETER_SETS) if r % 2 == 0 else list(reversed(PARAMETER_SETS))
             for name in names:
-                samples[name].append(_time_steps(engine, prompt_ids, batch, PARAMETER_SETS[name], args.steps))
+                samples[name].append(
+                    _time_steps(engine, prompt_ids, batch, PARAMETER_SETS[name], args.steps, args.seed)
+                )
         greedy = statistics.median(samples["greedy"])
         for name, values in samples.items():
             step = statistics.median(values)

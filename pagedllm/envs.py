@@ -51,9 +51,11 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar(
             "MALLOC_MMAP_THRESHOLD_",
             "",
-            "glibc's own tunable; when set (or MALLOC_TRIM_THRESHOLD_), pagedllm does not change the thresholds",
+            "glibc's own tunable; when set (or MALLOC_TRIM_THRESHOLD_, or GLIBC_TUNABLES naming glibc.malloc), "
+            "pagedllm does not change the thresholds",
         ),
         EnvVar("MALLOC_TRIM_THRESHOLD_", "", "glibc's own tunable; see MALLOC_MMAP_THRESHOLD_"),
+        EnvVar("GLIBC_TUNABLES", "", "glibc's tunables; one naming glibc.malloc also leaves the thresholds alone"),
         EnvVar(
             "PAGEDLLM_EXECUTOR_TIMEOUT_S",
             "300",

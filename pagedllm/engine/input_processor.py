@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-import numbers
+import operator
 import time
 from typing import Any
 
@@ -299,6 +299,15 @@ def tokenize_prompt(tokenizer: Any, prompt: PromptType) -> tuple[str | None, lis
     raise ValueError(f"a prompt must be a string, a list of token ids or a dict; got {type(prompt).__name__}")
 
 
+def _is_integer(value: Any) -> bool:
+    """An int, a NumPy integer or a 0-d integer tensor: anything ``operator.index`` takes."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
+
+
 def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, generates: bool = True) -> None:
     """ValueError unless the prompt is non-empty, fits (leaving room for a token when it
     ``generates``) and is in the vocabulary."""
@@ -311,7 +320,7 @@ def validate_prompt(token_ids: list[int], max_model_len: int, vocab_size: int, g
             f"the prompt has {len(token_ids)} tokens, but this model's maximum context length "
             f"(max_model_len) is {max_model_len}{room}; {advice}"
         )
-    wrong_type = [t for t in token_ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+    wrong_type = [t for t in token_ids if isinstance(t, bool) or not _is_integer(t)]
     if wrong_type:
         raise ValueError(f"prompt token ids must be integers; got {wrong_type[:5]!r}")
     bad = [t for t in token_ids if not 0 <= t < vocab_size]

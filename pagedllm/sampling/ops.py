@@ -188,6 +188,8 @@ def _mask_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     vocab_size = logits.shape[1]
     k = torch.where(top_k <= 0, vocab_size, top_k).clamp(max=vocab_size).to(torch.int64)
     off = k >= vocab_size
+    if bool(off.all()):
+        return logits
     widest = int(torch.where(off, 1, k).max())
     if widest > vocab_size // TOP_K_SELECTION_SHARE:
         return _sorted_top_k_top_p(logits, top_k, None)
@@ -247,24 +249,36 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """Draw one token per row of ``probs`` [N, V] (non-negative float32 weights, any scale) by
-    inverse transform: the first token whose running sum passes ``u * total``, ``u ~ U[0, 1)``.
+    """Draw one token per row of ``probs`` [N, V] (non-negative weights, any scale); a row with
+    no positive weight draws token 0. A seeded row draws only from its own generator, so it gets
+    the same token whatever else is in the batch. A token of weight 0 is never drawn.
 
-    One uniform number per row: a seeded row draws it from its own generator, so it gets the same
-    token whatever else is in the batch. The running sums are stored in float32 but accumulated in
-    float64 (ATen's CPU cumsum), so each is the exact prefix sum rounded once: any token's (and
-    any run of tokens') probability is off by at most one float32 step of the total, 6e-8 of it,
-    as in ``torch.multinomial``. A token of weight 0 is never drawn. The exponential race (argmax
-    of probs / Exp(1) noise) is equivalent but needs V random numbers per row: on CPU
-    ``exponential_`` took ~1.1 ms per 49k-token row, 85 ms for a batch of 64, as long as the
-    model's own step.
+    On CPU by inverse transform: the first token whose running sum passes ``u * total``, one
+    uniform ``u`` per row. The sums are stored in float32 but accumulated in float64 (ATen's
+    CPU cumsum), so each is the exact prefix sum rounded once and never decreases: any token's
+    probability is exact to 6e-8 of the row's total, as in ``torch.multinomial``. The exponential
+    race (argmax of probs / Exp(1) noise) needs V random numbers per row: ``exponential_`` took
+    ~1.1 ms per 49k-token row on CPU, 85 ms for a batch of 64, as long as the model's own step.
+    Other devices keep the race: it is cheap there, and a float32 cumsum accumulated in float32
+    by a parallel scan can step down past a zero-weight token.
     """
-    u = torch.rand(probs.shape[0], device=probs.device)
+    if probs.device.type != "cpu":
+        return _exponential_race(probs, generators)
+    u = torch.rand(probs.shape[0])
     for row, generator in generators.items():
-        u[row] = torch.rand(1, device=probs.device, generator=generator)[0]
+        u[row] = torch.rand(1, generator=generator)[0]
     cdf = probs.cumsum(dim=-1)
     total = cdf[:, -1:]
     # Strictly below the total, so the search ends on a token of positive weight even when
     # u * total rounds up to it (past the last such token the running sums stay at the total).
     target = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    drawn = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    return torch.where(total.squeeze(1) > 0, drawn, 0)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """argmax(probs / E), E ~ Exp(1) per entry: the same distribution with V draws per row."""
+    noise = torch.empty_like(probs).exponential_()
+    for row, generator in generators.items():
+        noise[row].exponential_(generator=generator)
+    return (probs / noise).argmax(dim=-1)

@@ -13,9 +13,11 @@ guest, a 25 MB float64 ``cumsum`` of a batch of 64 took 11-22 ms inside an engin
 Once the model and the KV cache are in place (their allocations are done, so their layout is
 unchanged), the worker raises both thresholds: blocks up to glibc's ceiling of 32 MiB come from
 the heap, and a free heap top is kept up to 1 GiB. The process then holds its steps' high-water
-mark of host memory, as a CUDA caching allocator holds device memory. ``MALLOC_MMAP_THRESHOLD_``
-or ``MALLOC_TRIM_THRESHOLD_`` in the environment (glibc's own tunables) are left as the user set
-them; ``PAGEDLLM_KEEP_FREED_MEMORY=0`` turns this off.
+mark of host memory, as a CUDA caching allocator holds device memory. The setting is the whole
+process's and stays for its life: with the offline ``LLM`` API that is the user's own process.
+glibc's own tunables in the environment (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``,
+``GLIBC_TUNABLES`` naming ``glibc.malloc``) are left as the user set them;
+``PAGEDLLM_KEEP_FREED_MEMORY=0`` turns this off.
 """
 
 from __future__ import annotations
@@ -44,7 +46,11 @@ def keep_freed_memory() -> bool:
         return False
     if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
         return False
-    if envs.get("MALLOC_MMAP_THRESHOLD_") or envs.get("MALLOC_TRIM_THRESHOLD_"):
+    if (
+        envs.get("MALLOC_MMAP_THRESHOLD_")
+        or envs.get("MALLOC_TRIM_THRESHOLD_")
+        or "glibc.malloc" in envs.get("GLIBC_TUNABLES")
+    ):
         return False
     libc = ctypes.CDLL(None)
     ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX)) and bool(

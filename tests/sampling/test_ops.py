@@ -232,6 +232,20 @@ def test_random_sample_at_the_top_of_the_uniform_range_picks_the_last_weighted_t
     assert ops.random_sample(probs, {}).tolist() == [2, 3, 2]
 
 
+def test_random_sample_row_without_weight_draws_token_zero() -> None:
+    probs = torch.tensor([[0.0, 0.0, 0.0], [float("nan")] * 3, [0.0, 0.0, 1.0]])
+    assert ops.random_sample(probs, {}).tolist() == [0, 0, 2]
+
+
+def test_top_k_top_p_ties_keep_the_sorts_count() -> None:
+    logits = torch.tensor([[1.0, 3.0, 3.0, 3.0, 0.0, 3.0]])
+    # Four tied tokens of ~0.239 each: the nucleus of 0.5 keeps three of them (0, 0.239 and 0.478
+    # above), which three is arbitrary in both paths.
+    for path in (ops.apply_top_k_top_p, ops._sorted_top_k_top_p):
+        kept = torch.isfinite(path(logits.clone(), None, torch.tensor([0.5])))[0]
+        assert kept.sum().item() == 3 and not kept[[0, 4]].any()
+
+
 def test_random_sample_draws_one_number_per_seeded_row() -> None:
     # A seeded row's generator advances by one draw per sample, whatever the vocabulary size.
     generator, twin = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
@@ -240,13 +254,17 @@ def test_random_sample_draws_one_number_per_seeded_row() -> None:
     assert torch.equal(generator.get_state(), twin.get_state())
 
 
-@pytest.mark.parametrize("scale", [8.0, 0.05])  # peaked rows (nucleus among the candidates) and nearly flat ones
-def test_top_k_top_p_by_selection_equals_the_sort(scale: float) -> None:
+# Peaked rows (nucleus among the candidates), nearly flat ones (sorted), a vocabulary below the
+# candidate count; masked (-inf) tokens in some rows.
+@pytest.mark.parametrize(
+    "scale, vocab", [(8.0, 4 * ops.NUCLEUS_CANDIDATES), (0.05, 4 * ops.NUCLEUS_CANDIDATES), (2.0, 100)]
+)
+def test_top_k_top_p_by_selection_equals_the_sort(scale: float, vocab: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    vocab = 4 * ops.NUCLEUS_CANDIDATES
     logits = torch.randn(12, vocab, generator=gen) * scale
-    small_k = torch.tensor([0, 5, 40, 0, 0, vocab, 200, 0, 1, 0, 60, 0])  # by selection
-    large_k = torch.tensor([0, 5, 40, 0, 0, vocab, 3 * vocab // 4, 0, 1, 0, 600, 0])  # a quarter: sorted
+    logits[3:6, ::3] = -INF
+    small_k = torch.tensor([0, 5, 20, 0, 0, vocab, 20, 0, 1, 0, 24, 0])  # by selection
+    large_k = torch.tensor([0, 5, 40, 0, 0, vocab, 3 * vocab // 4, 0, 1, 0, vocab // 2, 0])  # past a quarter: sorted
     top_p = torch.tensor([0.9, 1.0, 0.5, 0.99, 1e-6, 0.7, 0.95, 1.0, 0.3, 0.6, 0.8, 0.999])
     for k, p in ((small_k, None), (large_k, None), (None, top_p), (small_k, top_p), (large_k, top_p)):
         selected = ops.apply_top_k_top_p(logits.clone(), k, p)

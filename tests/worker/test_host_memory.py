@@ -60,5 +60,7 @@ def test_turned_off_or_left_to_the_users_glibc_tunables(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_KEEP_FREED_MEMORY", "0")
     assert host_memory.keep_freed_memory() is False
     monkeypatch.setenv("PAGEDLLM_KEEP_FREED_MEMORY", "1")
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=131072")
+    assert host_memory.keep_freed_memory() is False
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert host_memory.keep_freed_memory() is False
