@@ -25,17 +25,40 @@ _MIN_BATCH_FILL = 16
 _PLAIN_CHAR = "(?:[ !#-\\[\\]-~]|[\\u0080-\\u07FF]|[\\u0800-\\uD7FF]|[\\uE000-\\uFFFF]|[\\u{10000}-\\u{10FFFF}])"
 
 
-def _bounded_strings_as_patterns(schema: Any) -> Any:
-    """Give length-bounded plain strings an equivalent ``pattern``: xgrammar's minLength/maxLength
-    rule lets raw control characters (invalid JSON) and surrogate byte sequences (which decode to
-    three U+FFFD, breaking the length) into the string. The pattern admits no escapes."""
+# Calendar dates only (RFC 3339 full-date, years 0001-9999): xgrammar's "date" format takes any
+# day 01-31 in any month and the year 0000, so "2023-02-30" could be generated and then fail the
+# schema. February 29 only in leap years (divisible by 4, centuries only by 400).
+_YEAR = "(?:[1-9][0-9]{3}|0[1-9][0-9]{2}|00[1-9][0-9]|000[1-9])"
+_LEAP_YEAR = "(?:[0-9]{2}(?:0[48]|[2468][048]|[13579][26])|(?:0[48]|[2468][048]|[13579][26])00)"
+_MONTH_DAY = (
+    "(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-(?:0[1-9]|[12][0-9]|30)"
+    "|02-(?:0[1-9]|1[0-9]|2[0-8]))"
+)
+_DATE = f"(?:{_YEAR}-{_MONTH_DAY}|{_LEAP_YEAR}-02-29)"
+# date-time: that date, then xgrammar's own time and offset.
+_TIME = "(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?(?:Z|[+\\-](?:[01][0-9]|2[0-3]):[0-5][0-9])"
+_EXACT_FORMATS = {"date": _DATE, "date-time": f"{_DATE}T{_TIME}"}
+
+
+def _exact_string_patterns(schema: Any) -> Any:
+    """Give strings a ``pattern`` where xgrammar's own rule admits invalid values.
+
+    Length-bounded plain strings: xgrammar's minLength/maxLength rule lets raw control characters
+    (invalid JSON) and surrogate byte sequences (which decode to three U+FFFD, breaking the
+    length) into the string; the pattern admits no escapes. The ``date`` and ``date-time``
+    formats: only real calendar dates (see ``_DATE``)."""
     if isinstance(schema, list):
-        return [_bounded_strings_as_patterns(item) for item in schema]
+        return [_exact_string_patterns(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {key: _bounded_strings_as_patterns(value) for key, value in schema.items()}
+    out = {key: _exact_string_patterns(value) for key, value in schema.items()}
+    if out.get("type") != "string" or "pattern" in out:
+        return out
+    if out.get("format") in _EXACT_FORMATS:
+        out["pattern"] = f"^{_EXACT_FORMATS[out.pop('format')]}$"
+        return out
     bounded = "minLength" in out or "maxLength" in out
-    if out.get("type") == "string" and bounded and not {"pattern", "format", "enum", "const"} & out.keys():
+    if bounded and not {"format", "enum", "const"} & out.keys():
         low, high = out.get("minLength", 0), out.get("maxLength", "")
         if isinstance(low, int) and (high == "" or isinstance(high, int)):
             out["pattern"] = f"^{_PLAIN_CHAR}{{{low},{high}}}$"
@@ -83,7 +106,7 @@ class XgrammarBackend(StructuredOutputBackend):
     def _compile(self, kind: str, spec: str) -> xgr.CompiledGrammar:
         # any_whitespace=False: compact JSON (", " and ": "), so a model cannot pad forever.
         if kind == "json":
-            schema = _bounded_strings_as_patterns(json.loads(spec))
+            schema = _exact_string_patterns(json.loads(spec))
             return self.compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
         if kind == "json_object":
             return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)

@@ -18,7 +18,7 @@ from pagedllm.structured_output.backend import GrammarCompileError, StructuredOu
 from pagedllm.structured_output.bitmask import apply_bitmask_torch, apply_grammar_bitmask
 from pagedllm.structured_output.compiler import GrammarCompiler, GrammarTimeoutError
 from pagedllm.structured_output.manager import GrammarBitmask
-from pagedllm.structured_output.xgrammar_backend import XgrammarBackend, _bounded_strings_as_patterns
+from pagedllm.structured_output.xgrammar_backend import XgrammarBackend, _exact_string_patterns
 
 VOCAB = 576  # the model's vocabulary is larger than the tokenizer's 512 tokens
 EOS_IDS = [1, 4]
@@ -90,7 +90,7 @@ def test_choice_escapes_and_json_object(backend):
 def test_bounded_strings_are_valid_json_with_the_right_length(backend):
     # xgrammar's own maxLength rule admits raw control characters and surrogate byte sequences.
     schema = json.dumps({"type": "string", "maxLength": 3})
-    assert set(_bounded_strings_as_patterns(json.loads(schema))) == {"type", "pattern"}
+    assert set(_exact_string_patterns(json.loads(schema))) == {"type", "pattern"}
     for text, ok in [
         (b'"abc"', True),
         ('"h\u00e9\u4e2d"'.encode(), True),
@@ -103,6 +103,32 @@ def test_bounded_strings_are_valid_json_with_the_right_length(backend):
         (b'"\xe4\xb8"', False),
     ]:
         assert accepts(backend, "json", schema, text) == ok, text
+
+
+@pytest.mark.parametrize(
+    "text, ok",
+    [
+        ("2024-02-29", True),
+        ("2000-02-29", True),
+        ("1999-12-31", True),
+        ("0001-01-01", True),
+        ("2023-02-29", False),
+        ("1900-02-29", False),
+        ("2023-04-31", False),
+        ("2023-11-31", False),
+        ("2023-02-30", False),
+        ("0000-01-01", False),
+        ("2023-13-01", False),
+        ("2023-1-01", False),
+    ],
+)
+def test_date_format_admits_only_calendar_dates(backend, text, ok):
+    # xgrammar's own date rule takes any day 01-31 of any month, and the year 0000.
+    schema = json.dumps({"type": "string", "format": "date"})
+    assert accepts(backend, "json", schema, f'"{text}"') == ok
+    stamp = json.dumps({"type": "string", "format": "date-time"})
+    assert accepts(backend, "json", stamp, f'"{text}T23:59:60.5+05:30"') == ok
+    assert accepts(backend, "json", stamp, f'"{text}T12:00:00Z"') == ok
 
 
 def test_tokens_past_the_tokenizer_are_never_allowed(backend):
