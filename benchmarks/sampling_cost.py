@@ -22,6 +22,7 @@ from pagedllm.config import EngineArgs
 from pagedllm.demo.demo_model import installed_smollm2
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench.common import env_line, environment, format_table
+from pagedllm.entrypoints.bench.latency import step_until_first_tokens
 from pagedllm.sampling_params import SamplingParams
 
 PARAMETER_SETS: dict[str, dict[str, Any]] = {
@@ -47,9 +48,7 @@ def _time_steps(
     ids = [engine.next_request_id() for _ in range(batch)]
     for rid in ids:
         engine.add_request(rid, {"prompt_token_ids": prompt_ids}, sampling)
-    waiting = set(ids)
-    while waiting:  # prefill (in chunks) until every request has its first token
-        waiting -= {out.request_id for out in engine.step() if out.outputs and out.outputs[0].token_ids}
+    step_until_first_tokens(engine, ids)
     times = []
     for _ in range(steps):
         start = time.perf_counter()

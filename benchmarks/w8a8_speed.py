@@ -26,6 +26,7 @@ from typing import Any
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
 from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
+from pagedllm.entrypoints.bench.latency import step_until_first_tokens
 from pagedllm.layers.cpu_kernels import kernel_build
 from pagedllm.sampling_params import SamplingParams
 
@@ -43,11 +44,7 @@ def _add(engine: Any, rng: random.Random, prompt_len: int, max_tokens: int) -> s
 def _start_batch(engine: Any, rng: random.Random, batch: int, prompt_len: int, max_tokens: int) -> list[str]:
     """B running requests, each past its prefill (its first token out)."""
     ids = [_add(engine, rng, prompt_len, max_tokens) for _ in range(batch)]
-    pending = set(ids)
-    while pending:
-        for out in engine.step():
-            if out.outputs and out.outputs[0].token_ids:
-                pending.discard(out.request_id)
+    step_until_first_tokens(engine, ids)
     return ids
 
 

@@ -115,7 +115,8 @@ def _add(engine: Any, rng: random.Random, vocab: int, prompt_len: int, max_token
     return rid
 
 
-def _step_until_first_tokens(engine: Any, ids: list[str]) -> None:
+def step_until_first_tokens(engine: Any, ids: list[str]) -> None:
+    """Step ``engine`` until every request in ``ids`` has its first token (prefill done)."""
     pending = set(ids)
     while pending:
         for out in engine.step():
@@ -135,7 +136,7 @@ def measure_decode(
 ) -> Measurement:
     total = args.warmup_steps + args.decode_steps + 4
     ids = [_add(engine, rng, vocab, args.decode_prompt_len, total, args.temperature) for _ in range(batch)]
-    _step_until_first_tokens(engine, ids)
+    step_until_first_tokens(engine, ids)
     for _ in range(args.warmup_steps):
         engine.step()
     steps, core, model = [], [], []
