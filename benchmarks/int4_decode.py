@@ -11,7 +11,7 @@ formats run the engine's kernels on packed weights: fp32 (``packed_linear``), in
 ``--group`` inputs: 576 and 1536 are not multiples of 128, so the engine picks 64 here), and
 w4a8 (``packed_linear_w4a8``: the int4 weights, activations quantized to int8 in the op).
 Methods alternate each rep (as in ``benchmarks.cpu_gemv``) and medians are reported.
-``--baseline REV`` adds ``int4@REV``: the int4 kernel's source (and the headers it includes) as of
+``--baseline REV`` adds ``int4@REV`` and ``w4a8@REV``: the int4 kernels' source (and the headers it includes) as of
 git revision REV, built on its own at the engine's ISA level, in the same rotation on the same
 weights, for a before / after comparison in one process. REV must share the packed layout
 (blocks of 8 inputs per 32-bit word, from the commit that introduced w4a8 on).
@@ -46,9 +46,9 @@ Call = Callable[[torch.Tensor], torch.Tensor]
 INT4_SOURCES = ("cpu_gemm_grouped.cpp", "cpu_vec.h", "cpu_gemm_common.h", "cpu_kernels.h")
 
 
-def baseline_int4(rev: str) -> int4.LinearInt4:
-    """``packed_linear_int4`` built from git revision ``rev``'s sources (registered under its own
-    op namespace, beside the engine's build)."""
+def baseline_int4(rev: str) -> dict[str, int4.LinearInt4]:
+    """``packed_linear_int4`` and ``packed_linear_w4a8`` built from git revision ``rev``'s sources
+    (registered under their own op namespace, beside the engine's build), by name."""
     from torch.utils.cpp_extension import load
 
     level = selected_isa()
@@ -67,7 +67,8 @@ def baseline_int4(rev: str) -> int4.LinearInt4:
         build_directory=str(folder),
         is_python_module=False,
     )
-    return getattr(torch.ops, namespace).packed_linear_int4.default
+    ops = getattr(torch.ops, namespace)
+    return {f"int4@{rev}": ops.packed_linear_int4.default, f"w4a8@{rev}": ops.packed_linear_w4a8.default}
 
 
 def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4]) -> dict[str, tuple[Call, int]]:
@@ -137,11 +138,11 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", type=float, default=0.1, help="start each rep once others use under this CPU share")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--baseline", metavar="REV", help="also time the int4 kernel of this git revision")
+    p.add_argument("--baseline", metavar="REV", help="also time the int4 and w4a8 kernels of this git revision")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    extra = {f"int4@{args.baseline}": baseline_int4(args.baseline)} if args.baseline else {}
+    extra = baseline_int4(args.baseline) if args.baseline else {}
     limits = measure_limits(copy_mib=256)
     calls = build(args.layers, args.group, args.seed, extra)
     nbytes = {m: sum(by_format[m][1] for _, by_format in calls) for m in ("fp32", "int8", "int4")}
