@@ -69,6 +69,12 @@ inline Vec load_u4_step(const uint8_t* p, int, int i) {
   return {_mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * i), values)};
 }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+// a > b ? t : f per lane (an ordered compare: a NaN lane takes f).
+inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) {
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), f.v, t.v)};
+}
+inline bool any_nan(Vec a) { return _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q) != 0; }
+inline Vec lane_indices() { return {_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)}; }
 
 #elif defined(PAGEDLLM_VEC_AVX2)
 constexpr const char* kBackend = "avx2";
@@ -113,6 +119,11 @@ inline Vec load_u4_step(const uint8_t* p, int v, int i) {
   return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15)))};
 }
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
+inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) {
+  return {_mm256_blendv_ps(f.v, t.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))};
+}
+inline bool any_nan(Vec a) { return _mm256_movemask_ps(_mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q)) != 0; }
+inline Vec lane_indices() { return {_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7)}; }
 
 #elif defined(PAGEDLLM_VEC_NEON)
 constexpr const char* kBackend = "neon";
@@ -150,6 +161,12 @@ inline Vec load_u4_step(const uint8_t* p, int v, int i) {
   return {vcvtq_f32_u32(q)};
 }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) { return {vbslq_f32(vcgtq_f32(a.v, b.v), t.v, f.v)}; }
+inline bool any_nan(Vec a) { return vminvq_u32(vceqq_f32(a.v, a.v)) == 0; }
+inline Vec lane_indices() {
+  static const float kLaneIndex[4] = {0.f, 1.f, 2.f, 3.f};
+  return {vld1q_f32(kLaneIndex)};
+}
 
 #else
 constexpr const char* kBackend = "portable";
@@ -191,6 +208,9 @@ inline Vec load_u4_step(const uint8_t* p, int v, int i) {  // as on NEON
   return {F4{float((w[0] >> s) & 15), float((w[1] >> s) & 15), float((w[2] >> s) & 15), float((w[3] >> s) & 15)}};
 }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
+inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) { return {a.v > b.v ? t.v : f.v}; }
+inline bool any_nan(Vec a) { return std::isnan(a.v[0]) || std::isnan(a.v[1]) || std::isnan(a.v[2]) || std::isnan(a.v[3]); }
+inline Vec lane_indices() { return {F4{0.f, 1.f, 2.f, 3.f}}; }
 #endif
 
 // One bfloat16 (raw bits) -> float, for scalar tails.

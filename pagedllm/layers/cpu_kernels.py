@@ -48,6 +48,7 @@ SOURCES = tuple(
         "cpu_decode_stack.cpp",
         "cpu_lora.cpp",
         "cpu_shm_allreduce.cpp",
+        "cpu_sampling.cpp",
     )
 )
 # -fopenmp: at::parallel_for is a header template that only goes parallel when compiled with

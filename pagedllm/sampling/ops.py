@@ -10,9 +10,20 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.layers.cpu_kernels import cpu_fp32_kernels
 from pagedllm.sampling_params import SAMPLING_EPS
 
 _NEG_INF = float("-inf")
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, [N] int64, exactly as ``logits.argmax(dim=-1)`` (the first maximum; a
+    row's first NaN, when it has one). Float32 CPU rows go through the vectorized kernel
+    (``csrc/cpu_sampling.cpp``): torch's is a scalar loop, 2.7 ms for 64 rows of 49k tokens."""
+    kernels = cpu_fp32_kernels(logits)
+    if kernels is not None and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1:
+        return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
 
 
 # --------------------------------------------------------------------------- constraints

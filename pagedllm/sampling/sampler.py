@@ -109,11 +109,11 @@ class Sampler:
         if md.all_greedy and not md.has_logit_processing:
             # Nothing to change in the logits: argmax them as they are (the float32 copy below
             # is 25 MB at 128 rows x 49k vocabulary, a few ms per step on CPU).
-            return logits.argmax(dim=-1), None
+            return ops.greedy(logits), None
         processed = self.process(logits, md)
         if md.all_greedy:  # checked first: an empty batch is both all-greedy and all-random
-            return processed.argmax(dim=-1), None
-        greedy = None if md.all_random else processed.argmax(dim=-1)
+            return ops.greedy(processed), None
+        greedy = None if md.all_random else ops.greedy(processed)
         probs = self.probs(processed, md)
         drawn = ops.random_sample(probs, md.generators)
         if greedy is not None:
@@ -174,7 +174,7 @@ class Sampler:
         longest acceptable prefix, so the output follows the target's distribution; token for token
         under greedy). Every row is processed as a plain sample's would be."""
         processed = self.process(logits, md)
-        argmax = processed.argmax(dim=-1)
+        argmax = ops.greedy(processed)
         last_rows = [end - 1 for end in accumulate(k + 1 for k in drafts.num_draft_tokens)]
         last = torch.tensor(last_rows, dtype=torch.int64, device=logits.device)
         is_draft_row = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
