@@ -1,5 +1,6 @@
-"""The greedy argmax kernel (csrc/cpu_sampling.cpp, argmax_rows) against torch.argmax(dim=-1), on
-every ISA build this CPU runs: ties, NaN, infinities, tails and strided rows."""
+"""The sampler's CPU kernels (csrc/cpu_sampling.cpp) against torch on every ISA build this CPU
+runs: argmax_rows against torch.argmax(dim=-1) (ties, NaN, infinities, tails, strided rows) and
+mask_below_ against masked_fill_."""
 
 from __future__ import annotations
 
@@ -79,3 +80,25 @@ def test_sampler_greedy_uses_it_and_agrees() -> None:
     # Non-float32 or column-strided logits take torch's own argmax.
     assert ops.greedy(logits.double()).tolist() == logits.argmax(dim=-1).tolist()
     assert ops.greedy(logits.t()).tolist() == logits.t().argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("vocab", [1, 7, 16, 33, 49152])
+def test_mask_below_matches_masked_fill(isa_ops: Any, vocab: int) -> None:
+    gen = torch.Generator().manual_seed(vocab)
+    x = torch.randn(6, vocab, generator=gen)
+    x[0, 0] = NAN
+    x[1, -1] = -INF
+    x[2, vocab // 2] = INF
+    threshold = torch.tensor([0.0, -INF, 0.5, NAN, INF, -0.1])
+    expected = x.clone().masked_fill_(x < threshold.unsqueeze(1), -INF)
+    got = x.clone()
+    isa_ops.mask_below_(got, threshold)
+    assert torch.equal(got.isnan(), expected.isnan())
+    assert torch.equal(got.nan_to_num(0.0), expected.nan_to_num(0.0))
+    wide = torch.randn(3, vocab + 5, generator=gen)
+    rows = wide[:, 2 : 2 + vocab]  # rows of a wider buffer, written in place
+    expected = rows.clone().masked_fill_(rows < 0.25, -INF)
+    isa_ops.mask_below_(rows, torch.full((3,), 0.25))
+    assert torch.equal(rows, expected)
+    with pytest.raises(RuntimeError, match="one per row"):
+        isa_ops.mask_below_(x, torch.zeros(2))
