@@ -202,6 +202,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
         logits, candidates = _mask_top_k(logits, top_k, NUCLEUS_CANDIDATES if top_p is not None else 1)
     if top_p is not None:
         rows = (top_p < 1.0).nonzero().squeeze(1)
+        if rows.numel() == logits.shape[0]:  # every row: no gather and scatter back
+            return _nucleus(logits, top_p, candidates)
         if rows.numel():
             picked = None if candidates is None else (candidates[0][rows], candidates[1][rows])
             logits[rows] = _nucleus(logits[rows], top_p[rows], picked)
