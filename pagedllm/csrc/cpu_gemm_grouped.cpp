@@ -510,17 +510,36 @@ void w4a8_group(const W4A8Problem& pr, int64_t m, int64_t g, int64_t p1) {
 }
 
 // Row m of x [K] -> xq (every 8 inputs: the even ones, then the odd), and per run of A inputs its
-// scale and the sum of its xq.
+// scale and the sum of its xq. The max and the rounding in vectors: at one row this ran once per
+// linear on one thread while the other waited, 3.4 us for K = 576 and 8.3 us for K = 1536 as
+// scalar code (libm's nearbyint / fmin / fmax per input), ~0.5 ms of a SmolLM2-shaped step.
+// NaN inputs are ignored by the max and become -127, as the scalar std::max / fmax did.
+inline float clamp_rounded(float v) { return std::fmin(127.f, std::fmax(-127.f, std::nearbyint(v))); }
+
 void quantize_row(const float* x, int64_t k, int64_t run, int8_t* xq, float* xs, float* xqsum) {
+  std::vector<float> rounded(static_cast<size_t>(run));
   for (int64_t c = 0; c < k / run; ++c) {
     const float* xr = x + c * run;
-    float amax = 0.f;
-    for (int64_t j = 0; j < run; ++j) amax = std::max(amax, std::fabs(xr[j]));
+    Vec vmax = zero();
+    int64_t j = 0;
+    for (; j + kWidth <= run; j += kWidth) {
+      const Vec v = load(xr + j), a = max(v, zero() - v);
+      vmax = select_greater(a, vmax, a, vmax);  // ordered: a NaN lane keeps the max so far
+    }
+    float amax = reduce_max(vmax);
+    for (; j < run; ++j) amax = std::max(amax, std::fabs(xr[j]));
     float inv = 127.f / amax;
     if (!(amax > 0.f) || !std::isfinite(inv)) inv = 0.f;  // zeros, a subnormal run, inf / NaN: q = 0
+    const Vec vinv = broadcast(inv), lo = broadcast(-127.f), hi = broadcast(127.f);
+    for (j = 0; j + kWidth <= run; j += kWidth) {
+      const Vec r = round_nearest(load(xr + j) * vinv);
+      const Vec floor_ = select_greater(r, lo, r, lo);  // NaN -> -127
+      store(rounded.data() + j, select_greater(hi, floor_, floor_, hi));
+    }
+    for (; j < run; ++j) rounded[j] = clamp_rounded(xr[j] * inv);
     int32_t total = 0;
-    for (int64_t j = 0; j < run; ++j) {
-      const int32_t q = static_cast<int32_t>(std::fmin(127.f, std::fmax(-127.f, std::nearbyint(xr[j] * inv))));
+    for (j = 0; j < run; ++j) {
+      const int32_t q = static_cast<int32_t>(rounded[j]);
       total += q;
       xq[c * run + (j / 8) * 8 + (j % 2) * 4 + (j % 8) / 2] = static_cast<int8_t>(q);
     }
