@@ -9,7 +9,9 @@ the sampler does before top-k / top-p. Timed per op, alternating with its baseli
 * greedy: ``ops.greedy`` (the CPU kernel) against ``torch.argmax(dim=-1)``;
 * the top-k mask: ``ops.mask_below_`` against ``masked_fill_(x < threshold, -inf)``;
 * top-k 40, top-p 0.9 and both through ``ops.apply_top_k_top_p`` (selection) against the
-  sort every row once would take (``ops._sorted_top_k_top_p``, what other devices run).
+  sort every row once would take (``ops._sorted_top_k_top_p``, what other devices run);
+* min-p 0.05: ``ops.apply_min_p`` (a threshold in logits) against its definition (the softmax,
+  then ``p < min_p * max p`` masked).
 
 Each pair's results are checked equal (the kept sets for top-k / top-p) before timing. The
 allocator keeps freed memory as the engine's workers do (``keep_freed_memory``), so a fresh
@@ -68,6 +70,12 @@ def timed(fn: Callable[[torch.Tensor], object], logits: torch.Tensor) -> float:
     return time.perf_counter() - start
 
 
+def probability_min_p(x: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """min-p by its definition: the softmax, then p < min_p * max p masked."""
+    probs = x.softmax(dim=-1)
+    return x.masked_fill_(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True), float("-inf"))
+
+
 def kept(x: torch.Tensor) -> torch.Tensor:
     return x > float("-inf")
 
@@ -80,7 +88,7 @@ def main() -> None:
     keep_freed_memory()
     logits = real_logits(args.rows)
     n = logits.shape[0]
-    k, top_p = torch.full((n,), 40), torch.full((n,), 0.9)
+    k, top_p, min_p = torch.full((n,), 40), torch.full((n,), 0.9), torch.full((n,), 0.05)
     threshold = logits.topk(40, dim=-1).values[:, -1].contiguous()
     sort = "one sort per row"
     Op = Callable[[torch.Tensor], object]
@@ -97,6 +105,7 @@ def main() -> None:
             lambda x: ops._sorted_top_k_top_p(x, None, top_p),
             sort,
         ),
+        "min-p 0.05": (lambda x: ops.apply_min_p(x, min_p), lambda x: probability_min_p(x, min_p), "softmax rule"),
         "top-k 40 + top-p 0.9": (
             lambda x: ops.apply_top_k_top_p(x, k, top_p),
             lambda x: ops._sorted_top_k_top_p(x, k, top_p),

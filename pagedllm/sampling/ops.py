@@ -280,10 +280,10 @@ def _mask_top_p_sorted(sorted_logits: torch.Tensor, top_p: torch.Tensor) -> torc
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """Mask tokens whose probability is below ``min_p * max_prob`` of their row."""
-    probs = logits.softmax(dim=-1)
-    threshold = min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)
-    return logits.masked_fill_(probs < threshold, _NEG_INF)
+    """Mask tokens whose probability is below ``min_p * max_prob`` of their row. As p_i / p_max =
+    exp(l_i - l_max), that is a logit below the row's largest + log(min_p): no softmax over the
+    vocabulary (min_p 0: log 0 = -inf, nothing masked)."""
+    return mask_below_(logits, logits.amax(dim=-1) + min_p.to(logits.dtype).log())
 
 
 def random_sample(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:

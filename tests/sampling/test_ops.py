@@ -271,3 +271,16 @@ def test_top_k_top_p_by_selection_equals_the_sort(scale: float, vocab: int) -> N
         sorted_ = ops._sorted_top_k_top_p(logits.clone(), k, p)
         assert torch.equal(torch.isfinite(selected), torch.isfinite(sorted_))
         assert torch.equal(selected[torch.isfinite(selected)], logits[torch.isfinite(selected)])
+
+
+def test_min_p_in_logits_matches_the_probability_rule() -> None:
+    # Mixed rows (min_p 0 = off), a row with masked tokens: the same kept set as p < min_p * p_max.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen) * 3
+    logits[2, :500] = float("-inf")
+    min_p = torch.tensor([0.0, 0.05, 0.1, 0.3, 0.9, 1.0])
+    probs = logits.softmax(dim=-1)
+    want = ~(probs < min_p.unsqueeze(1) * probs.amax(dim=-1, keepdim=True)) & torch.isfinite(logits)
+    out = ops.apply_min_p(logits.clone(), min_p)
+    assert torch.equal(torch.isfinite(out), want)
+    assert torch.equal(out[want], logits[want])  # kept values unchanged
