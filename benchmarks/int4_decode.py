@@ -16,8 +16,10 @@ git revision REV, built on its own at the engine's ISA level, in the same rotati
 weights, for a before / after comparison in one process. REV must share the packed layout
 (blocks of 8 inputs per 32-bit word, from the commit that introduced w4a8 on).
 
-The int4 floor: the bytes a step must read (packed nibbles + per-group float32 scale and zero)
-over the machine's read bandwidth measured in the same run; "of floor" is floor / measured time.
+The int4 floor: the bytes a step must read (packed nibbles + per-group scale and zero, float16
+where exact as the engine packs them) over the machine's read bandwidth measured in the same run;
+"of floor" is floor / measured time. ``int4/f32`` and ``w4a8/f32`` run the same kernels on float32
+scales and zero points (the layout before float16 parameters; ``--baseline`` builds get those too).
 The last stdout line is the report as JSON.
 """
 
@@ -37,7 +39,7 @@ import torch
 from benchmarks.cpu_gemv import SHAPES, wait_for_quiet
 from pagedllm import cpu_info
 from pagedllm.entrypoints.bench.machine import measure_limits
-from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, pack_weight
+from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, pack_group_params, pack_groups, pack_weight
 from pagedllm.layers.cpu_kernels import compile_flags, selected_isa
 from pagedllm.layers.quantization import int4, int8
 
@@ -81,18 +83,24 @@ def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4])
     packed = pack_weight(w)
     q8, s8 = int8.quantize_and_pack(w)
     q, scale, zero = int4.quantize_groupwise(w, group)
-    p4, s4, z4 = int4.pack_int4(q), int4.pack_groups(scale), int4.pack_groups(zero)
-    int4_bytes = p4.nbytes + s4.nbytes + z4.nbytes
+    p4 = int4.pack_int4(q)
+    # The engine's parameters (float16 where exact: pack_group_params) and float32 ones, which
+    # the "/f32" rows and a --baseline revision (older builds take only float32) read.
+    params = {"engine": tuple(pack_group_params(scale, zero)), "f32": (pack_groups(scale), pack_groups(zero))}
 
-    def int4_call(op: int4.LinearInt4) -> Call:
-        return lambda x: op(x, p4, s4, z4, None, group)
+    def int4_call(op: int4.LinearInt4, kind: str = "engine") -> tuple[Call, int]:
+        s4, z4 = params[kind]
+        assert s4 is not None and z4 is not None
+        return (lambda x: op(x, p4, s4, z4, None, group)), p4.nbytes + s4.nbytes + z4.nbytes
 
     return {
         "fp32": (lambda x: fp32_op(x, packed, None), packed.nbytes),
         "int8": (lambda x: int8_op(x, q8, s8, None), q8.nbytes + s8.nbytes),
-        "int4": (int4_call(int4_op), int4_bytes),
-        "w4a8": (int4_call(w4a8_op), int4_bytes),
-        **{name: (int4_call(op), int4_bytes) for name, op in extra_int4.items()},
+        "int4": int4_call(int4_op),
+        "w4a8": int4_call(w4a8_op),
+        "int4/f32": int4_call(int4_op, "f32"),
+        "w4a8/f32": int4_call(w4a8_op, "f32"),
+        **{name: int4_call(op, "f32") for name, op in extra_int4.items()},
     }
 
 

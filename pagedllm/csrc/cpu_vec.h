@@ -29,6 +29,19 @@
 
 namespace pagedllm_vec {
 
+// One float16 (raw bits) -> float (exact: subnormals, infinities and NaN included).
+inline float f16_to_float(uint16_t h) {
+  const int exponent = (h >> 10) & 31, mantissa = h & 1023;
+  float magnitude;
+  if (exponent == 31)
+    magnitude = mantissa ? NAN : INFINITY;
+  else if (exponent == 0)
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);
+  else
+    magnitude = std::ldexp(static_cast<float>(mantissa | 1024), exponent - 25);
+  return (h & 0x8000) ? -magnitude : magnitude;
+}
+
 #if defined(PAGEDLLM_VEC_AVX512)
 constexpr const char* kBackend = "avx512";
 constexpr int kWidth = 16, kRegisters = 32;
@@ -58,6 +71,8 @@ inline Vec load_bf16(const uint16_t* p) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
 }
+// kWidth float16 values (raw bits) -> floats (exact).
+inline Vec load_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 // The 4-bit weights of 16 outputs over 8 k steps as 16 little-endian 32-bit words (word n: output
 // n, k step i in bits 4i..4i+3; int4's layout, csrc/cpu_gemm_grouped.cpp): vector v of step i,
 // as floats 0..15 in output order (exact). AVX-512: one vector is all 16 words; a shift brings
@@ -113,6 +128,7 @@ inline Vec load_bf16(const uint16_t* p) {
   const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
 }
+inline Vec load_f16(const uint16_t* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
 // load_u4_step (see the AVX-512 backend): words 8 v .. 8 v + 7, a shift, a mask and a conversion.
 inline Vec load_u4_step(const uint8_t* p, int v, int i) {
   const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + v);
@@ -154,6 +170,7 @@ inline Vec load_i8(const int8_t* p) {
   return {vcvtq_f32_s32(vmovl_s16(vget_low_s16(w16)))};
 }
 inline Vec load_bf16(const uint16_t* p) { return {vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16))}; }
+inline Vec load_f16(const uint16_t* p) { return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))}; }
 // load_u4_step (see the AVX-512 backend): words 4 v .. 4 v + 3, a shift, a mask and a conversion.
 inline Vec load_u4_step(const uint8_t* p, int v, int i) {
   const uint32x4_t words = vld1q_u32(reinterpret_cast<const uint32_t*>(p) + 4 * v);
@@ -200,6 +217,9 @@ inline Vec load_bf16(const uint16_t* p) {
   Vec a;
   std::memcpy(&a.v, bits, sizeof(F4));
   return a;
+}
+inline Vec load_f16(const uint16_t* p) {
+  return {F4{f16_to_float(p[0]), f16_to_float(p[1]), f16_to_float(p[2]), f16_to_float(p[3])}};
 }
 inline Vec load_u4_step(const uint8_t* p, int v, int i) {  // as on NEON
   uint32_t w[4];

@@ -98,7 +98,37 @@ def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
     return torch.cat([body, tail])
 
 
-def pack_groups(t: torch.Tensor) -> torch.Tensor:
-    """Per-group values [N, K / G] -> [N / 16, K / G, 16] float32 (a panel's groups contiguous)."""
+def pack_groups(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Per-group values [N, K / G] -> [N / 16, K / G, 16] in ``dtype`` (a panel's groups contiguous)."""
     n, groups = t.shape
-    return t.float().reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+    return t.to(dtype).reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
+
+
+def pack_group_params(*values: torch.Tensor | None) -> list[torch.Tensor | None]:
+    """A layer's per-group scales (and zero points) packed by ``pack_groups``: in float16 when every
+    value of all of them is exactly a float16 (GGUF's Q4_0 / Q8_0, AWQ / GPTQ with float16 scales,
+    the engine's own quantizers: ``fp16_scales``), else float32. At batch 1 the kernels stream
+    these beside the weights: float32 ones per 64 int4 weights are a fifth of the bytes."""
+    given = [v for v in values if v is not None]
+    exact = all(torch.equal(v.float().half().float(), v.float()) for v in given)
+    dtype = torch.float16 if exact else torch.float32
+    return [None if v is None else pack_groups(v, dtype) for v in values]
+
+
+# The float16 range where a scale keeps float16's full precision (normal numbers).
+_F16_MIN_NORMAL, _F16_MAX = 2.0**-14, 65504.0
+
+
+def fp16_scales(scale: torch.Tensor, up: bool = False) -> torch.Tensor:
+    """The scales rounded to float16 values (the nearest, or ``up`` to the next one at or above),
+    so that ``pack_group_params`` can store them in half the bytes; unchanged (float32) when a
+    nonzero scale lies outside float16's normal range, where rounding would cost precision."""
+    scale = scale.float()
+    zero = scale == 0
+    if not bool((zero | ((scale.abs() >= _F16_MIN_NORMAL) & (scale.abs() <= _F16_MAX))).all()):
+        return scale
+    half = scale.half()
+    if up:  # positive scales only (int4's (hi - lo) / 15): one float16 step up where rounding went down
+        below = half.float() < scale
+        half = torch.where(below, (half.view(torch.int16) + 1).view(torch.float16), half)
+    return half.float()

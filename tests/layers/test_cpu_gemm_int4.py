@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers import cpu_gemm_kernels
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import int4, int8_groups
 from tests.layers.int4_reference import as_tensor, dequantize, random_int4, reference_linear
@@ -26,27 +27,30 @@ def native():
     return op
 
 
-def _check(op, rows: int, n: int, k: int, group: int, with_bias: bool) -> None:
+def _check(op, rows: int, n: int, k: int, group: int, with_bias: bool, params: torch.dtype = torch.float32) -> None:
     rng = np.random.default_rng(rows * 1000 + n + k)
     q, scale, zero, g_idx = random_int4(n, k, group, rng)
+    if params == torch.float16:  # scales the kernel reads as float16 (pack_group_params' exact case)
+        scale = scale.astype(np.float16).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
     want = reference_linear(x, dequantize(q, scale, zero, g_idx), bias)
     got = op(
         as_tensor(x),
         int4.pack_int4(as_tensor(q)),
-        int4.pack_groups(as_tensor(scale)),
-        int4.pack_groups(as_tensor(zero).float()),
+        cpu_gemm_kernels.pack_groups(as_tensor(scale), params),
+        cpu_gemm_kernels.pack_groups(as_tensor(zero), params),
         None if bias is None else as_tensor(bias),
         group,
     )
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("params", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group):
-    _check(isa_ops.packed_linear_int4.default, rows, n, k, group, with_bias=rows % 2 == 1)
+def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group, params):
+    _check(isa_ops.packed_linear_int4.default, rows, n, k, group, with_bias=rows % 2 == 1, params=params)
 
 
 def test_smollm_shapes_across_threads_and_batched_input(native):
@@ -55,7 +59,11 @@ def test_smollm_shapes_across_threads_and_batched_input(native):
             _check(native, rows, n, k, 64, with_bias=False)
     rng = np.random.default_rng(0)
     q, scale, zero, g_idx = random_int4(32, 64, 16, rng)
-    args = (int4.pack_int4(as_tensor(q)), int4.pack_groups(as_tensor(scale)), int4.pack_groups(as_tensor(zero)))
+    args = (
+        int4.pack_int4(as_tensor(q)),
+        cpu_gemm_kernels.pack_groups(as_tensor(scale)),
+        cpu_gemm_kernels.pack_groups(as_tensor(zero)),
+    )
     x = torch.randn(5, 3, 64)
     want = reference_linear(x.reshape(15, 64).numpy(), dequantize(q, scale, zero, g_idx)).reshape(5, 3, 32)
     np.testing.assert_allclose(native(x, *args, None, 16).numpy(), want, rtol=1e-4, atol=1e-4)
@@ -81,21 +89,46 @@ def test_pack_int4_layout_and_roundtrip():
     with pytest.raises(ValueError, match="in_features % 8"):
         int4.pack_int4(torch.zeros(16, 12, dtype=torch.uint8))
     groups = torch.arange(48 * 2, dtype=torch.float32).reshape(48, 2)
-    assert int4.pack_groups(groups)[2, 1, 5] == groups[32 + 5, 1]
+    assert cpu_gemm_kernels.pack_groups(groups)[2, 1, 5] == groups[32 + 5, 1]
+
+
+def test_group_params_are_float16_only_where_every_value_is_exact():
+    scale = torch.tensor([[0.5, 2.0**-14], [1000.0, 0.0]]).repeat(8, 1)  # 16 outputs, 2 groups
+    zero = torch.tensor([[8.0, 3.0], [0.0, 15.0]]).repeat(8, 1)
+    packed_scale, packed_zero = cpu_gemm_kernels.pack_group_params(scale, zero)
+    assert packed_scale is not None and packed_zero is not None
+    assert packed_scale.dtype == packed_zero.dtype == torch.float16 and packed_scale.shape == (1, 2, 16)
+    assert torch.equal(packed_scale.float(), cpu_gemm_kernels.pack_groups(scale))
+    # Q4_1's zero point -m / d is rarely a float16: the layer's values all stay float32.
+    assert [t.dtype for t in cpu_gemm_kernels.pack_group_params(scale, zero + 1 / 3) if t is not None] == [
+        torch.float32
+    ] * 2
+    assert cpu_gemm_kernels.pack_group_params(scale, None)[1] is None
+    # fp16_scales: float16 values (up: at or above), unless a scale would lose float16 precision.
+    s = torch.rand(64) + 0.01
+    up = cpu_gemm_kernels.fp16_scales(s, up=True)
+    assert torch.equal(up.half().float(), up) and (up >= s).all() and ((up - s) / s).max() <= 2**-10
+    near = cpu_gemm_kernels.fp16_scales(s)
+    assert torch.equal(near, s.half().float())
+    for outside in (1e-6, 1e5):
+        t = torch.cat([s, torch.tensor([outside])])
+        assert torch.equal(cpu_gemm_kernels.fp16_scales(t, up=True), t)
 
 
 def test_quantization_error_bound_and_group_choice():
     torch.manual_seed(0)
     w = torch.randn(32, 256) * torch.logspace(-3, 1, 32)[:, None]
     w[3] = 0.0  # an all-zero row: scale 1, q = zero
-    w[4] = 0.25  # a constant positive row is exact (0 is in every group's range)
+    w[4] = 0.25  # a constant positive row: one float16 rounding of its scale away (0 is in every group's range)
     q, scale, zero = int4.quantize_groupwise(w, 128)
     assert q.dtype == torch.uint8 and q.max() <= 15 and scale.shape == zero.shape == (32, 2)
     assert torch.equal(zero, zero.round()) and zero.min() >= 0 and zero.max() <= 15
     error = (int4.dequantize(q, scale, zero) - w).abs()
     assert (error <= scale.repeat_interleave(128, dim=1) / 2 * (1 + 1e-5)).all()
     assert torch.equal(int4.dequantize(q, scale, zero)[3], w[3])
-    torch.testing.assert_close(int4.dequantize(q, scale, zero)[4], w[4])
+    torch.testing.assert_close(int4.dequantize(q, scale, zero)[4], w[4], rtol=2**-10, atol=0)
+    # The scales are float16 values (the kernel reads them in half the bytes), rounded up.
+    assert torch.equal(scale.half().float(), scale)
     assert [int4.choose_group_size(k) for k in (576, 1536, 192, 80)] == [64, 128, 64, 16]
     with pytest.raises(ValueError, match="in_features=72"):
         int4.choose_group_size(72)

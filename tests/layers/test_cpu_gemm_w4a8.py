@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.layers import cpu_gemm_kernels
 from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization import building_with, get_quantization_config, int4
 from pagedllm.layers.quantization.int4 import load_w4a8_gemm
@@ -29,22 +30,33 @@ def _quantized_activations(x: np.ndarray, group: int) -> np.ndarray:
     return (q.astype(np.float64) * (amax / np.float32(127)).astype(np.float64)).reshape(x.shape)
 
 
-def _run(op, x: np.ndarray, q, scale, zero, bias, group: int) -> np.ndarray:
-    args = (int4.pack_int4(as_tensor(q)), int4.pack_groups(as_tensor(scale)), int4.pack_groups(as_tensor(zero).float()))
+def _args(q, scale, zero, params: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    return (
+        int4.pack_int4(as_tensor(q)),
+        cpu_gemm_kernels.pack_groups(as_tensor(scale), params),
+        cpu_gemm_kernels.pack_groups(as_tensor(zero), params),
+    )
+
+
+def _run(op, x: np.ndarray, q, scale, zero, bias, group: int, params: torch.dtype = torch.float32) -> np.ndarray:
+    args = _args(q, scale, zero, params)
     return op(as_tensor(x), *args, None if bias is None else as_tensor(bias), group).numpy()
 
 
+@pytest.mark.parametrize("params", [torch.float32, torch.float16])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_every_isa_matches_numpy_on_the_quantized_activations(isa_ops, rows, n, k, group):
+def test_every_isa_matches_numpy_on_the_quantized_activations(isa_ops, rows, n, k, group, params):
     rng = np.random.default_rng(rows * 1000 + n + k)
     q, scale, zero, g_idx = random_int4(n, k, group, rng)
+    if params == torch.float16:  # scales the kernel reads as float16 (pack_group_params' exact case)
+        scale = scale.astype(np.float16).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, : min(k, 32)] = 0.0  # an all-zero run: scale 0
     bias = rng.standard_normal(n).astype(np.float32) if rows % 2 else None
     w = dequantize(q, scale, zero, g_idx).astype(np.float64)
     want = _quantized_activations(x, group) @ w.T + (0 if bias is None else bias)
-    got = _run(isa_ops.packed_linear_w4a8.default, x, q, scale, zero, bias, group)
+    got = _run(isa_ops.packed_linear_w4a8.default, x, q, scale, zero, bias, group, params)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())))
     # Against float activations: the int8 rounding, about a percent of the output's scale.
     exact = x.astype(np.float64) @ w.T + (0 if bias is None else bias)
@@ -62,7 +74,7 @@ def native():
 def test_bad_inputs_are_errors(native):
     rng = np.random.default_rng(0)
     q, scale, zero, _ = random_int4(32, 64, 32, rng)
-    args = (int4.pack_int4(as_tensor(q)), int4.pack_groups(as_tensor(scale)), int4.pack_groups(as_tensor(zero).float()))
+    args = _args(q, scale, zero)
     assert native(torch.randn(0, 64), *args, None, 32).shape == (0, 32)
     assert native(torch.randn(2, 3, 64), *args, None, 32).shape == (2, 3, 32)
     with pytest.raises(RuntimeError, match="multiple of 8"):

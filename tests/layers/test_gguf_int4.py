@@ -137,6 +137,8 @@ def test_a_layer_of_4bit_parts_runs_the_int4_kernel_and_mixed_parts_run_float() 
     layer, want = _layer(["q4", "q4"], x)
     assert isinstance(layer.quant_method, GGUFLinearMethod) and layer.weight.dtype == torch.uint8
     assert not hasattr(layer, "gguf_q")
+    # Q4_0's scales are the file's float16 d and its zero point 8: held as float16 (pack_group_params).
+    assert layer.weight_scale.dtype == layer.weight_zero.dtype == torch.float16
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # the kernel's own summation order
     layer, want = _layer(["q4", "float"], x)
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
@@ -159,6 +161,8 @@ def test_block_types_other_than_4bit_stay_int8_groups(parts: list[str], group: i
     method = layer.quant_method
     assert isinstance(method, GroupedInt8Method) and layer.weight.dtype == torch.int8 and method.group_size == group
     assert (layer.weight_zero is not None) == zero
+    if parts == ["q8", "q8"]:  # Q8_0's float16 d as it is
+        assert layer.weight_scale.dtype == torch.float16
     assert not any(hasattr(layer, name) for name in (*Q4_SUFFIXES, *Q8_SUFFIXES, *INT8_SUFFIXES))
     # The file's values, the kernel's sums (random Q6_K blocks reach |w| ~ 200: a relative bound).
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))

@@ -44,14 +44,15 @@ def _run(
     bias: np.ndarray | None,
     group: int,
     zero: np.ndarray | None = None,
+    params: torch.dtype = torch.float32,
 ) -> np.ndarray:
     return op(
         torch.from_numpy(x),
         cpu_gemm_kernels.pack_int8(torch.from_numpy(q)),
-        cpu_gemm_kernels.pack_groups(torch.from_numpy(scale)),
+        cpu_gemm_kernels.pack_groups(torch.from_numpy(scale), params),
         None if bias is None else torch.from_numpy(bias),
         group,
-        None if zero is None else cpu_gemm_kernels.pack_groups(torch.from_numpy(zero)),
+        None if zero is None else cpu_gemm_kernels.pack_groups(torch.from_numpy(zero), params),
     ).numpy()
 
 
@@ -63,9 +64,14 @@ def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, gro
     q, scale = _random(n, k, group, rng)
     # With zero points (GGUF's 5-bit types, 4-bit parts of a mixed layer): W = (q - z) * s.
     zero = (rng.random(scale.shape) * 31).astype(np.float32) if with_zero else None
+    # Even row counts read float16 scales and zero points (pack_group_params' exact case).
+    params = torch.float16 if rows % 2 == 0 else torch.float32
+    if params == torch.float16:
+        scale = scale.astype(np.float16).astype(np.float32)
+        zero = None if zero is None else zero.astype(np.float16).astype(np.float32)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32) if rows % 2 else None
-    got = _run(isa_ops.packed_linear_int8_grouped.default, x, q, scale, bias, group, zero)
+    got = _run(isa_ops.packed_linear_int8_grouped.default, x, q, scale, bias, group, zero, params)
     want = _reference(x, q, scale, bias, zero)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())))
 

@@ -30,7 +30,7 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_groups, pack_int8, packable, unpack_int8
+from pagedllm.layers.cpu_gemm_kernels import PANEL, fp16_scales, pack_group_params, pack_int8, packable, unpack_int8
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization import triton_layout
 from pagedllm.layers.quantization.base import (
@@ -89,12 +89,13 @@ def choose_group_size(in_features: int, preferred: int = DEFAULT_GROUP_SIZE) -> 
 
 def quantize_groupwise(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """W [N, K] float -> (q [N, K] uint8 in 0..15, scale [N, K / G], zero [N, K / G]) float32 with
-    W ~ (q - zero) * scale per group; each weight's error is at most scale / 2."""
+    W ~ (q - zero) * scale per group; each weight's error is at most scale / 2. The scales are
+    rounded up to float16 values (``fp16_scales``: the kernel then reads them in half the bytes)."""
     n, k = w.shape
     groups = w.float().reshape(n, k // group, group)
     lo = groups.amin(dim=2).clamp(max=0.0)
     hi = groups.amax(dim=2).clamp(min=0.0)
-    scale = torch.where(hi > lo, (hi - lo) / _QMAX, torch.ones_like(hi))
+    scale = fp16_scales(torch.where(hi > lo, (hi - lo) / _QMAX, torch.ones_like(hi)), up=True)
     zero = torch.round(-lo / scale).clamp_(0, _QMAX)
     q = (torch.round(groups / scale[..., None]) + zero[..., None]).clamp_(0, _QMAX)
     return q.reshape(n, k).to(torch.uint8), scale.contiguous(), zero.contiguous()
@@ -183,7 +184,9 @@ class Int4KernelMethod(LinearMethodBase):
         if q.shape[0] % PANEL or self.group_size % _BLOCK_STEPS or kernel is None:
             self._fall_back(layer, dequantize(q, scale, zero).to(dtype), perm)
             return
-        self._store(layer, pack_int4(q), pack_groups(scale), pack_groups(zero), perm)
+        packed_scale, packed_zero = pack_group_params(scale, zero)
+        assert packed_scale is not None, "a scale was given"
+        self._store(layer, pack_int4(q), packed_scale, packed_zero, perm)
         self._kernel = kernel
 
     def cpu_kernel(self) -> LinearInt4 | None:

@@ -30,7 +30,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_groups, pack_int8
+from pagedllm.layers.cpu_gemm_kernels import PANEL, fp16_scales, pack_group_params, pack_int8
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, WeightLoader, create_dense_weight
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
@@ -54,17 +54,23 @@ def load_grouped_int8_gemm() -> GroupedInt8Gemm | None:
 
 def quantize_groups(w: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor]:
     """W [N, K] float -> (q [N, K] int8 in -127..127, scale [N, K / G] float32), W ~ q * scale
-    per group of G inputs (Q8_0's rule: scale = max|w| / 127, q = round(w / scale)). A group of
+    per group of G inputs (Q8_0's rule: scale = max|w| / 127, rounded to the nearest float16 as
+    Q8_0 stores it (``fp16_scales``; half the scale bytes in the kernel), q = round(w / scale):
+    the largest |w| of a group lands within 127 * 2^-11 of 127 and rounds to it). A group of
     zeros gets scale 0 and q 0."""
     n, k = w.shape
     q = torch.empty(n, k, dtype=torch.int8)
     scale = torch.empty(n, k // group, dtype=torch.float32)
-    for start in range(0, n, _CHUNK_ROWS):  # float temporaries of a chunk only, not of the whole head
+    chunks = range(0, n, _CHUNK_ROWS)  # float temporaries of a chunk only, not of the whole head
+    for start in chunks:
+        rows = w[start : start + _CHUNK_ROWS].float().reshape(-1, k // group, group)
+        scale[start : start + _CHUNK_ROWS] = rows.abs().amax(dim=2) / _QMAX
+    scale = fp16_scales(scale)
+    for start in chunks:
         groups = w[start : start + _CHUNK_ROWS].float().reshape(-1, k // group, group)
-        s = groups.abs().amax(dim=2) / _QMAX
+        s = scale[start : start + _CHUNK_ROWS]
         safe = torch.where(s > 0, s, torch.ones_like(s))
         q[start : start + _CHUNK_ROWS] = torch.round(groups / safe[..., None]).clamp_(-_QMAX, _QMAX).reshape(-1, k)
-        scale[start : start + _CHUNK_ROWS] = s
     return q, scale
 
 
@@ -113,11 +119,12 @@ class GroupedInt8Method(LinearMethodBase):
 
     def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> None:
         """Hold q [N, K] int8, scale (and zero) [N, K / G] float32 packed for the op (``can_store``
-        said yes)."""
+        said yes; in float16 where exact: ``pack_group_params``)."""
         # A new parameter: a tied embedding keeps its float table for lookups.
         layer.weight = nn.Parameter(pack_int8(q), requires_grad=False)
-        layer.register_buffer("weight_scale", pack_groups(scale), persistent=False)
-        layer.register_buffer("weight_zero", None if zero is None else pack_groups(zero), persistent=False)
+        packed_scale, packed_zero = pack_group_params(scale, zero)
+        layer.register_buffer("weight_scale", packed_scale, persistent=False)
+        layer.register_buffer("weight_zero", packed_zero, persistent=False)
         kernel = load_grouped_int8_gemm()
         assert kernel is not None, "can_store checked that the kernel built"
         self._kernel, self.group_size, self.quantized = kernel, q.shape[1] // scale.shape[1], True
