@@ -2,8 +2,9 @@
 the AWQ and GPTQ checkpoints (``awq.py``, ``gptq.py``) are repacked into.
 
 Batch-1 decode streams every weight once per step; int4 halves int8's bytes (an eighth of
-float32). One weight is W[n, k] = (q[n, k] - z[n, g]) * s[n, g]: q in 0..15, g = k // G, one float32
-scale and one (integral) zero point per output row and group of G inputs along K (128 by default).
+float32). One weight is W[n, k] = (q[n, k] - z[n, g]) * s[n, g]: q in 0..15, g = k // G, one
+scale and one (integral) zero point per output row and group of G inputs along K (128 by default),
+held in float16 when every value of the layer is exactly one (``pack_group_params``), else float32.
 Activations stay float32; the kernel (``csrc/cpu_gemm_grouped.cpp``) widens the nibbles in registers.
 
 A float weight is quantized group-wise (``quantize_groupwise``: min/max of each group, zero
