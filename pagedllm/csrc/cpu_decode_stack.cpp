@@ -25,7 +25,17 @@
 namespace {
 
 // How each of the stack's linears is stored (its layer's quant_method; a GGUF file's may differ).
-enum class Method : int64_t { kPacked = 0, kInt8 = 1, kW8A8 = 2, kInt4 = 3, kW4A8 = 4, kInt8Groups = 5 };
+// kInt4Offset / kW4A8Offset: int4 / w4a8 whose zero tensor holds offsets, W = q s + b (GGUF Q4_1).
+enum class Method : int64_t {
+  kPacked = 0,
+  kInt8 = 1,
+  kW8A8 = 2,
+  kInt4 = 3,
+  kW4A8 = 4,
+  kInt8Groups = 5,
+  kInt4Offset = 6,
+  kW4A8Offset = 7
+};
 
 // The per-layer tensors, as lists indexed by layer; the linears 4 per layer (qkv, o, gate_up,
 // down), with each one's scale and w8a8 compensation (int4, int8 groups: zero point) where its method has them.
@@ -62,11 +72,13 @@ struct Layers {
       case Method::kW8A8:
         return linear_w8a8(x, linears[at], *scales[at], *comps[at], bias, w8a8_path);
       case Method::kInt4:  // the group size: K over the scale's groups
+      case Method::kInt4Offset:
         return packed_linear_int4(x, linears[at], *scales[at], *comps[at], bias,
-                                  linears[at].size(1) / scales[at]->size(1));
+                                  linears[at].size(1) / scales[at]->size(1), methods[at] == Method::kInt4Offset);
       case Method::kW4A8:
+      case Method::kW4A8Offset:
         return packed_linear_w4a8(x, linears[at], *scales[at], *comps[at], bias,
-                                  linears[at].size(1) / scales[at]->size(1));
+                                  linears[at].size(1) / scales[at]->size(1), methods[at] == Method::kW4A8Offset);
       case Method::kInt8Groups:
         return packed_linear_int8_grouped(x, linears[at], *scales[at], bias, linears[at].size(1) / scales[at]->size(1),
                                           comps[at]);
@@ -132,8 +144,9 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
               "decode_stack_: tensor parallelism needs the shared-memory all-reduce's segment and counter");
   std::vector<Method> ms(methods.size());
   for (size_t j = 0; j < linears.size(); ++j) {
-    TORCH_CHECK(methods[j] >= 0 && methods[j] <= 5, "decode_stack_: linear ", j,
-                "'s method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4), 4 (w4a8) or 5 (int8 groups)");
+    TORCH_CHECK(methods[j] >= 0 && methods[j] <= 7, "decode_stack_: linear ", j,
+                "'s method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4), 4 (w4a8), 5 (int8 groups), "
+                "6 (int4 with offsets) or 7 (w4a8 with offsets)");
     const Method m = ms[j] = static_cast<Method>(methods[j]);
     TORCH_CHECK(m == Method::kPacked ||
                     (scales[j].has_value() && (m == Method::kInt8 || m == Method::kInt8Groups || comps[j].has_value())),

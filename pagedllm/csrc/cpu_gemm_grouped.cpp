@@ -19,7 +19,9 @@
 //   (Int8ZeroFormat): W = (q - z) * s.
 // scale, zero: [N / 16, K / G, 16] float32, a panel's groups contiguous, or float16 when every
 // value is one exactly (GroupValues: half the bytes of the streams read beside the weights). G must
-// be a multiple of the block's k steps.
+// be a multiple of the block's k steps. With `offset` (int4 and w4a8 ops) the zero tensor holds
+// per-group offsets b instead, W = q s + b: GGUF Q4_1's m, a float16 where its zero point -m / d
+// is not, so the default model's linears read 16-bit parameters too.
 //
 // Two paths:
 // - Fewer than 20 rows (decode): the fused tile. Per group it sums x[m, k] * q[n, k] over the group's k in
@@ -129,6 +131,7 @@ struct GroupedProblem {
   const typename F::T* p;  // the format's packed weights
   GroupValues scale;  // [N / 16, K / G, 16]
   GroupValues zero;  // [N / 16, K / G, 16] (with a zero point only)
+  bool offset;  // zero holds offsets b: W = q s + b
   const float* xsum;  // [M, K / G]: x summed over each group (int4 only)
   const float* bias;  // [N] or nullptr
   float* y;  // [M, N], row stride ldy
@@ -212,10 +215,16 @@ void fused_tile(const GroupedProblem<F>& pr, int64_t m0, int64_t p0, const typen
       const Vec s = pr.scale.get(at);
       if constexpr (F::kZero) {
         const Vec z = pr.zero.get(at);
+        if (pr.offset) {  // acc += s * sum + b * sum_k x
 #pragma GCC unroll 16
-        for (int r = 0; r < MR; ++r) {
-          const Vec t = fmadd(z, broadcast(-pr.xsum[(m0 + r) * groups + g]), part[r][v]);
-          acc[r][v] = fmadd(s, t, acc[r][v]);
+          for (int r = 0; r < MR; ++r)
+            acc[r][v] = fmadd(z, broadcast(pr.xsum[(m0 + r) * groups + g]), fmadd(s, part[r][v], acc[r][v]));
+        } else {
+#pragma GCC unroll 16
+          for (int r = 0; r < MR; ++r) {
+            const Vec t = fmadd(z, broadcast(-pr.xsum[(m0 + r) * groups + g]), part[r][v]);
+            acc[r][v] = fmadd(s, t, acc[r][v]);
+          }
         }
       } else {
 #pragma GCC unroll 16
@@ -243,7 +252,7 @@ void fused_group(const GroupedProblem<F>& pr, int64_t m, int64_t g, int64_t p1) 
 }
 
 // The group of panels from g (width of them) as fp32 panels [width, K, 16] in out: exactly
-// (q - z) * s, or q * s.
+// (q - z) * s, or q * s (+ b with offsets).
 template <class F>
 void dequantize_group(const GroupedProblem<F>& pr, int64_t g, int64_t width, float* out) {
   const int64_t groups = pr.k / pr.group, blocks = pr.group / F::kSteps, block_stride = stride_of_blocks<F>(width);
@@ -264,9 +273,11 @@ void dequantize_group(const GroupedProblem<F>& pr, int64_t g, int64_t width, flo
         for (int i = 0; i < F::kSteps; ++i, out += kLanes) {
 #pragma GCC unroll 4
           for (int v = 0; v < kPanelVecs; ++v) {
-            Vec q = F::load(block, v, i);
-            if constexpr (F::kZero) q = q - z[v];
-            store(out + v * kWidth, q * s[v]);
+            const Vec q = F::load(block, v, i);
+            if constexpr (F::kZero)
+              store(out + v * kWidth, pr.offset ? fmadd(q, s[v], z[v]) : (q - z[v]) * s[v]);
+            else
+              store(out + v * kWidth, q * s[v]);
           }
         }
       }
@@ -316,7 +327,7 @@ GroupValues checked_groups(const at::Tensor& t, int64_t panels, int64_t groups, 
 template <class F>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                           const at::Tensor* zero, const std::optional<at::Tensor>& bias, int64_t group_size,
-                          at::ScalarType type) {
+                          at::ScalarType type, bool offset = false) {
   TORCH_CHECK(packed.scalar_type() == type && packed.dim() == 3 && packed.size(2) == F::kStepBytes &&
                   packed.is_contiguous(),
               "packed weight must be a contiguous ", F::kName, " tensor");
@@ -336,8 +347,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   const float* xp = x2.data_ptr<float>();
   const std::vector<float> xsum = F::kZero && m < kDequantRows ? group_sums(xp, m, k, x2.stride(0), group_size)
                                                                  : std::vector<float>();
-  const GroupedProblem<F> pr{xp, packed.data_ptr<typename F::T>(), s, z, xsum.data(), checked_vector(bias, n, "bias"),
-                             y.data_ptr<float>(), k, group_size, x2.stride(0), n, panels};
+  const GroupedProblem<F> pr{xp,          packed.data_ptr<typename F::T>(), s, z, offset, xsum.data(),
+                             checked_vector(bias, n, "bias"), y.data_ptr<float>(), k, group_size, x2.stride(0), n,
+                             panels};
   // Tiny weights (test models) stay on one thread; threads split whole groups of 4 panels.
   const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (k * F::kStepBytes * kGroup));
   at::parallel_for(0, (panels + kGroup - 1) / kGroup, grain, [&](int64_t g0, int64_t g1) {
@@ -438,6 +450,7 @@ struct W4A8Problem {
   const uint8_t* p;  // the int4 layout
   GroupValues scale;  // [N / 16, K / G, 16]
   GroupValues zero;  // [N / 16, K / G, 16]
+  bool offset;  // zero holds offsets b: W = q s + b
   const float* bias;  // [N] or nullptr
   float* y;  // [M, N], row stride ldy
   int64_t k, group, run, ldy;
@@ -500,8 +513,13 @@ void w4a8_tile(const W4A8Problem& pr, int64_t m0, int64_t p0, const uint8_t* w, 
 #pragma GCC unroll 16
       for (int r = 0; r < MR; ++r) {
         const int64_t rc = (m0 + r) * runs + c;
-        const Vec t = fmadd(z, broadcast(-pr.xqsum[rc]), to_float(sum[r][v]));
-        acc[r][v] = fmadd(s * broadcast(pr.xs[rc]), t, acc[r][v]);
+        if (pr.offset) {  // acc += xs * (s * sum + b * sum_k xq)
+          const Vec t = fmadd(s, to_float(sum[r][v]), z * broadcast(pr.xqsum[rc]));
+          acc[r][v] = fmadd(broadcast(pr.xs[rc]), t, acc[r][v]);
+        } else {
+          const Vec t = fmadd(z, broadcast(-pr.xqsum[rc]), to_float(sum[r][v]));
+          acc[r][v] = fmadd(s * broadcast(pr.xs[rc]), t, acc[r][v]);
+        }
       }
     }
   }
@@ -565,8 +583,9 @@ void quantize_row(const float* x, int64_t k, int64_t run, int8_t* xq, float* xs,
 }  // namespace
 
 at::Tensor packed_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size) {
-  return grouped_linear<Int4Format>(x, packed, scale, &zero, bias, group_size, at::kByte);
+                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size,
+                              bool offset) {
+  return grouped_linear<Int4Format>(x, packed, scale, &zero, bias, group_size, at::kByte, offset);
 }
 
 at::Tensor packed_linear_int8_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
@@ -578,7 +597,8 @@ at::Tensor packed_linear_int8_grouped(const at::Tensor& x, const at::Tensor& pac
 }
 
 at::Tensor packed_linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size) {
+                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size,
+                              bool offset) {
   TORCH_CHECK(packed.scalar_type() == at::kByte && packed.dim() == 3 && packed.size(2) == Int4Format::kStepBytes &&
                   packed.is_contiguous(),
               "packed weight must be a contiguous ", Int4Format::kName, " tensor");
@@ -603,7 +623,7 @@ at::Tensor packed_linear_w4a8(const at::Tensor& x, const at::Tensor& packed, con
     for (int64_t r = r0; r < r1; ++r)
       quantize_row(xp + r * ldx, k, run, xq.data() + r * k, xs.data() + r * (k / run), xqsum.data() + r * (k / run));
   });
-  const W4A8Problem pr{xq.data(), xs.data(), xqsum.data(), packed.data_ptr<uint8_t>(), s, z,
+  const W4A8Problem pr{xq.data(), xs.data(), xqsum.data(), packed.data_ptr<uint8_t>(), s, z, offset,
                        checked_vector(bias, n, "bias"), y.data_ptr<float>(), k, group_size, run, n};
   const int64_t grain = std::max<int64_t>(1, kMinThreadBytes / (k * Int4Format::kStepBytes * kGroup));
   at::parallel_for(0, (panels + kGroup - 1) / kGroup, grain, [&](int64_t g0, int64_t g1) {
@@ -613,11 +633,15 @@ at::Tensor packed_linear_w4a8(const at::Tensor& x, const at::Tensor& packed, con
 }
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
-  m.def("packed_linear_int4(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor? bias, int group_size) -> Tensor");
+  m.def(
+      "packed_linear_int4(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor? bias, int group_size, "
+      "bool offset=False) -> Tensor");
   m.def(
       "packed_linear_int8_grouped(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int group_size, "
       "Tensor? zero=None) -> Tensor");
-  m.def("packed_linear_w4a8(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor? bias, int group_size) -> Tensor");
+  m.def(
+      "packed_linear_w4a8(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor? bias, int group_size, "
+      "bool offset=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {

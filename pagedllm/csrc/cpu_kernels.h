@@ -21,11 +21,14 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const st
 at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const std::optional<at::Tensor>& bias);
 // cpu_gemm_grouped.cpp: group-wise int4, packed [N / 16, K, 8]; scale, zero [N / 16, K / G, 16].
+// offset: zero holds per-group offsets b, W = q s + b, instead of zero points (GGUF Q4_1's m).
 at::Tensor packed_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size);
+                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size,
+                              bool offset = false);
 // cpu_gemm_grouped.cpp: int4 weights as packed_linear_int4's, activations quantized to int8 inside.
 at::Tensor packed_linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size);
+                              const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size,
+                              bool offset = false);
 // cpu_gemm_grouped.cpp: group-wise int8 (Q8_0-like), packed as packed_linear_int8's; scale (and the
 // optional zero point: W = (q - z) s) [N / 16, K / G, 16].
 at::Tensor packed_linear_int8_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,

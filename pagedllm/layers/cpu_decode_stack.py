@@ -223,14 +223,16 @@ def _cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
-_PACKED, _INT8, _W8A8, _INT4, _W4A8, _INT8_GROUPS = 0, 1, 2, 3, 4, 5
+_PACKED, _INT8, _W8A8, _INT4, _W4A8, _INT8_GROUPS, _INT4_OFFSET, _W4A8_OFFSET = 0, 1, 2, 3, 4, 5, 6, 7
 
 
 def _comp(linear: Any, method: int) -> torch.Tensor | None:
     """The op's second per-linear tensor: w8a8's compensation, the zero points of int4, w4a8 and
     int8 groups (None for symmetric groups)."""
     zero = getattr(linear, "weight_zero", None)
-    return {_W8A8: getattr(linear, "weight_comp", None), _INT4: zero, _W4A8: zero, _INT8_GROUPS: zero}.get(method)
+    if method == _W8A8:
+        return cast(torch.Tensor | None, getattr(linear, "weight_comp", None))
+    return zero if method in (_INT4, _W4A8, _INT8_GROUPS, _INT4_OFFSET, _W4A8_OFFSET) else None
 
 
 def _method(linear: Any) -> int | None:
@@ -245,7 +247,10 @@ def _method(linear: Any) -> int | None:
     if isinstance(method, Int8LinearMethod):
         return _INT8 if method.quantized else None
     if isinstance(method, Int4KernelMethod):  # packed (not fallen back), no act-order input permutation
-        code = _W4A8 if method.int8_activations else _INT4
+        if method.zero_offset:  # its zero tensor holds offsets (GGUF Q4_1's m)
+            code = _W4A8_OFFSET if method.int8_activations else _INT4_OFFSET
+        else:
+            code = _W4A8 if method.int8_activations else _INT4
         return code if linear.weight.dtype == torch.uint8 and linear.weight_perm is None else None
     return None
 

@@ -41,6 +41,21 @@ def dequantize(q: np.ndarray, scale: np.ndarray, zero: np.ndarray, g_idx: np.nda
     return (q.astype(np.float32) - zero[:, g_idx].astype(np.float32)) * scale[:, g_idx].astype(np.float32)
 
 
+def kernel_params(
+    q: np.ndarray, scale: np.ndarray, zero: np.ndarray, g_idx: np.ndarray, form: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, torch.dtype, bool]:
+    """The grouped kernels' parameter forms for ``random_int4``'s weights: (W [N, K] float32,
+    scale, second tensor, the dtype to pack them in, whether the second holds offsets). ``form``:
+    "float32" / "float16" zero points (W = (q - z) s; the scales are float16 values either way),
+    or "offsets": float16 offsets b with W = q s + b (GGUF Q4_1's m)."""
+    if form == "offsets":
+        offset = (-zero.astype(np.float32) * scale).astype(np.float16).astype(np.float32)
+        w = q.astype(np.float32) * scale[:, g_idx] + offset[:, g_idx]
+        return w, scale, offset, torch.float16, True
+    dtype = torch.float16 if form == "float16" else torch.float32
+    return dequantize(q, scale, zero, g_idx), scale, zero.astype(np.float32), dtype, False
+
+
 def reference_linear(x: np.ndarray, w: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
     y = x.astype(np.float64) @ w.astype(np.float64).T
     return y if bias is None else y + bias

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from pagedllm.layers import cpu_gemm_kernels
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import int4, int8_groups
-from tests.layers.int4_reference import as_tensor, dequantize, random_int4, reference_linear
+from tests.layers.int4_reference import as_tensor, dequantize, kernel_params, random_int4, reference_linear
 
 # Rows 1-19: every fused tile height (1-4) and remainders; from 20 the dequantize-then-fp32
 # path: 20, 21 and 64 (the fp32 micro-kernel's row tiles and remainders).
@@ -27,30 +27,31 @@ def native():
     return op
 
 
-def _check(op, rows: int, n: int, k: int, group: int, with_bias: bool, params: torch.dtype = torch.float32) -> None:
+def _check(op, rows: int, n: int, k: int, group: int, with_bias: bool, form: str = "float32") -> None:
     rng = np.random.default_rng(rows * 1000 + n + k)
     q, scale, zero, g_idx = random_int4(n, k, group, rng)
-    if params == torch.float16:  # scales the kernel reads as float16 (pack_group_params' exact case)
-        scale = scale.astype(np.float16).astype(np.float32)
+    w, scale, second, dtype, offset = kernel_params(q, scale, zero, g_idx, form)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32) if with_bias else None
-    want = reference_linear(x, dequantize(q, scale, zero, g_idx), bias)
+    want = reference_linear(x, w, bias)
     got = op(
         as_tensor(x),
         int4.pack_int4(as_tensor(q)),
-        cpu_gemm_kernels.pack_groups(as_tensor(scale), params),
-        cpu_gemm_kernels.pack_groups(as_tensor(zero), params),
+        cpu_gemm_kernels.pack_groups(as_tensor(scale), dtype),
+        cpu_gemm_kernels.pack_groups(as_tensor(second), dtype),
         None if bias is None else as_tensor(bias),
         group,
+        offset,
     )
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("params", [torch.float32, torch.float16])
+# The parameters' forms: float32 or float16 zero points, float16 offsets (GGUF Q4_1).
+@pytest.mark.parametrize("form", ["float32", "float16", "offsets"])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group, params):
-    _check(isa_ops.packed_linear_int4.default, rows, n, k, group, with_bias=rows % 2 == 1, params=params)
+def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group, form):
+    _check(isa_ops.packed_linear_int4.default, rows, n, k, group, with_bias=rows % 2 == 1, form=form)
 
 
 def test_smollm_shapes_across_threads_and_batched_input(native):

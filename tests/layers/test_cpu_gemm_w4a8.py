@@ -11,7 +11,7 @@ from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization import building_with, get_quantization_config, int4
 from pagedllm.layers.quantization.int4 import load_w4a8_gemm
 from pagedllm.layers.quantization.w4a8 import W4A8LinearMethod
-from tests.layers.int4_reference import as_tensor, dequantize, random_int4
+from tests.layers.int4_reference import as_tensor, dequantize, kernel_params, random_int4
 
 ROWS = [1, 2, 3, 4, 5, 7, 16, 17, 64]
 # (N, K, G): one panel; a full group of 4 panels plus a 3-panel tail; runs of G when 32 does not
@@ -38,25 +38,27 @@ def _args(q, scale, zero, params: torch.dtype = torch.float32) -> tuple[torch.Te
     )
 
 
-def _run(op, x: np.ndarray, q, scale, zero, bias, group: int, params: torch.dtype = torch.float32) -> np.ndarray:
+def _run(
+    op, x: np.ndarray, q, scale, zero, bias, group: int, params: torch.dtype = torch.float32, offset: bool = False
+) -> np.ndarray:
     args = _args(q, scale, zero, params)
-    return op(as_tensor(x), *args, None if bias is None else as_tensor(bias), group).numpy()
+    return op(as_tensor(x), *args, None if bias is None else as_tensor(bias), group, offset).numpy()
 
 
-@pytest.mark.parametrize("params", [torch.float32, torch.float16])
+# The parameters' forms: float32 or float16 zero points, float16 offsets (GGUF Q4_1).
+@pytest.mark.parametrize("form", ["float32", "float16", "offsets"])
 @pytest.mark.parametrize("n,k,group", SHAPES)
 @pytest.mark.parametrize("rows", ROWS)
-def test_every_isa_matches_numpy_on_the_quantized_activations(isa_ops, rows, n, k, group, params):
+def test_every_isa_matches_numpy_on_the_quantized_activations(isa_ops, rows, n, k, group, form):
     rng = np.random.default_rng(rows * 1000 + n + k)
     q, scale, zero, g_idx = random_int4(n, k, group, rng)
-    if params == torch.float16:  # scales the kernel reads as float16 (pack_group_params' exact case)
-        scale = scale.astype(np.float16).astype(np.float32)
+    weights, scale, second, params, offset = kernel_params(q, scale, zero, g_idx, form)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     x[0, : min(k, 32)] = 0.0  # an all-zero run: scale 0
     bias = rng.standard_normal(n).astype(np.float32) if rows % 2 else None
-    w = dequantize(q, scale, zero, g_idx).astype(np.float64)
+    w = weights.astype(np.float64)
     want = _quantized_activations(x, group) @ w.T + (0 if bias is None else bias)
-    got = _run(isa_ops.packed_linear_w4a8.default, x, q, scale, zero, bias, group, params)
+    got = _run(isa_ops.packed_linear_w4a8.default, x, q, scale, second, bias, group, params, offset)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(want).max())))
     # Against float activations: the int8 rounding, about a percent of the output's scale.
     exact = x.astype(np.float64) @ w.T + (0 if bias is None else bias)

@@ -44,9 +44,14 @@ def _weights(rows: int = 16, cols: int = 256) -> np.ndarray:
 
 
 def _repacked(raw: np.ndarray, qtype: str) -> np.ndarray:
-    q, scale, zero = q4_to_int4(raw, qtype)
-    assert q.dtype == np.uint8 and q.max() <= 15 and scale.shape == zero.shape == (raw.shape[0], q.shape[1] // 32)
-    return dequantize(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero)).numpy()
+    q, scale, zero, offset = q4_to_int4(raw, qtype)
+    groups = (raw.shape[0], q.shape[1] // 32)
+    assert q.dtype == np.uint8 and q.max() <= 15 and scale.shape == zero.shape == offset.shape == groups
+    got = dequantize(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero)).numpy()
+    # The offsets' form W = q * s + b is the same weights (b: the file's value, exact for Q4_0 / Q4_1).
+    as_offsets = q.astype(np.float32) * np.repeat(scale, 32, axis=1) + np.repeat(offset, 32, axis=1)
+    np.testing.assert_allclose(as_offsets, got, rtol=0, atol=1e-6 * max(1.0, float(np.abs(got).max())))
+    return got
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
@@ -102,14 +107,14 @@ def test_5_and_6_bit_types_repack_to_int8_groups_of_16(qtype: str) -> None:
 
 def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinear, torch.Tensor]:
     """gate/up of 32 outputs each over 256 inputs, each part given as GGUF blocks of a type
-    ("q4": Q4_0, "q8": Q8_0, "q5": Q5_1, "q6k": Q6_K) streamed as the loader streams them, or
+    ("q4": Q4_0, "q41": Q4_1, "q8": Q8_0, "q5": Q5_1, "q6k": Q6_K) streamed as the loader streams them, or
     as a float tensor; returns the layer after loading and the reference ``x @ W.T`` of the
     dequantized weights."""
     with building_with(GGUFConfig()):
         layer = MergedColumnParallelLinear(256, [32, 32], bias=False)
     params = dict(layer.named_parameters())
     reference = []
-    qtypes = {"q4": "Q4_0", "q8": "Q8_0", "q5": "Q5_1", "q6k": "Q6_K"}
+    qtypes = {"q4": "Q4_0", "q41": "Q4_1", "q8": "Q8_0", "q5": "Q5_1", "q6k": "Q6_K"}
     for shard, (kind, w) in enumerate(zip(parts, np.split(_weights(64, 256), 2))):
         if kind == "float":
             params["weight"].weight_loader(params["weight"], torch.from_numpy(w), shard)
@@ -119,7 +124,7 @@ def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinea
         raw = (
             _random_blocks(qtype, 32, 256, shard) if qtype == "Q6_K" else gguf_quantize(w, GGMLQuantizationType[qtype])
         )
-        if kind == "q4":
+        if kind in ("q4", "q41"):
             names, values = Q4_SUFFIXES, q4_to_int4(raw, qtype)
         elif kind == "q8":
             names, values = Q8_SUFFIXES, q8_to_int8(raw)
@@ -139,7 +144,12 @@ def test_a_layer_of_4bit_parts_runs_the_int4_kernel_and_mixed_parts_run_float() 
     assert not hasattr(layer, "gguf_q")
     # Q4_0's scales are the file's float16 d and its zero point 8: held as float16 (pack_group_params).
     assert layer.weight_scale.dtype == layer.weight_zero.dtype == torch.float16
+    assert not layer.quant_method.zero_offset
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # the kernel's own summation order
+    # Q4_1: its zero point -m / d is no float16, so the layer holds the file's d and m (W = d q + m).
+    layer, want = _layer(["q41", "q41"], x)
+    assert layer.quant_method.zero_offset and layer.weight_scale.dtype == layer.weight_zero.dtype == torch.float16
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)
     layer, want = _layer(["q4", "float"], x)
     assert isinstance(layer.quant_method, UnquantizedLinearMethod)
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-4)  # fp32 GEMM vs torch: summation order
@@ -362,7 +372,8 @@ def test_a_mixed_gguf_keeps_its_5_bit_linears_int8_with_transformers_greedy_toke
         assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
     llm.llm_engine.check_integrity()
     stack = _model(llm).model._decode_stack  # one C++ call with each linear's own method
-    assert stack is not None and stack.methods[:4] == [5, 3, 3, 5]  # qkv, o, gate_up, down
+    # qkv, o, gate_up, down: Q4_1's linears as int4 with offsets (the file's d and m)
+    assert stack is not None and stack.methods[:4] == [5, 6, 6, 5]
     logprobs = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=3)
     stacked = llm.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)
     del llm

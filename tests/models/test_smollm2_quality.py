@@ -62,7 +62,12 @@ def test_quantized_perplexity_stays_near_fp32(
     scores = perplexity.pagedllm_scores(gguf, method, tokens)
     assert 1 / max_ratio < scores.perplexity / fp32.perplexity < max_ratio
     assert (scores.argmax == fp32.argmax).mean() >= min_argmax
-    assert not np.array_equal(scores.logprobs, fp32.logprobs)  # the quantized kernels ran
+    if method == "gguf":
+        # One prefill of the whole text: the int4 op dequantizes the file's Q4_1 weights as stored
+        # (W = d q + m, the offsets' form) for the fp32 micro-kernel, so the logprobs are fp32's.
+        assert np.abs(scores.logprobs - fp32.logprobs).max() < 1e-4
+    else:
+        assert not np.array_equal(scores.logprobs, fp32.logprobs)  # the quantized kernels ran
 
 
 @needs_llama_cpp

@@ -9,6 +9,9 @@ plus an offset, which is the int4 method's W = (q - z) * s with G = 32:
 The nibbles are the file's; only the zero point of Q4_1 / Q4_K is a division, so a weight the
 kernel sees differs from llama.cpp's dequantized one by float rounding (a few ulp). A group whose
 scale is 0 is constant (the offset alone): it is stored as q = 1, s = offset, z = 0, exactly.
+The offsets stream too (W = q s + b; Q4_1: b = m, the file's float16): a Q4_1 layer is held with
+them in place of its zero points (``Int4KernelMethod.finish_int4``), exactly as the file stores it
+and in float16, 5 bits a weight instead of 6 with float32 zero points.
 
 Q8_0 linears (W = d q, q int8 per 32 inputs) stay 8-bit the same way: their int8 values and
 block scales (``q8_to_int8``, exact) on the group-wise int8 op (``int8_groups.GroupedInt8Method``).
@@ -46,7 +49,7 @@ logger = logging.getLogger(__name__)
 GROUP = 32
 Q4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
 # The checkpoint names a 4-bit linear streams as (``models/gguf_loader``), after ``.weight``'s stem.
-Q4_SUFFIXES = ("gguf_q", "gguf_scale", "gguf_zero")
+Q4_SUFFIXES = ("gguf_q", "gguf_scale", "gguf_zero", "gguf_offset")
 # Q8_0 linears stream as their int8 values and block scales and stay int8 (``int8_groups``).
 Q8_SUFFIXES = ("gguf_q8", "gguf_q8_scale")
 # The 5- and 6-bit types stream as int8 groups of 16 with a zero point (``blocks_to_int8``).
@@ -55,9 +58,10 @@ INT8_SUFFIXES = ("gguf_qz", "gguf_qz_scale", "gguf_qz_zero")
 INT8_GROUP = 16
 
 
-def q4_to_int4(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def q4_to_int4(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """``raw`` uint8 [rows, row_bytes] of one of ``Q4_TYPES`` -> (q uint8 [rows, K] in 0..15,
-    scale and zero float32 [rows, K / 32]) with W = (q - zero) * scale."""
+    scale, zero and offset float32 [rows, K / 32]) with W = (q - zero) * scale = q * scale + offset
+    (the offset as the file has it, the zero point a division)."""
     rows = raw.shape[0]
     if qtype == "Q4_K":
         q, scale, offset = _q4_k(raw.reshape(-1, 144))
@@ -66,8 +70,8 @@ def q4_to_int4(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.
         q = _nibbles(blocks[:, -16:], 16)
         scale = _f16(blocks[:, 0:2])
         offset = 8.0 * scale if qtype == "Q4_0" else -_f16(blocks[:, 2:4])
-    q, scale, zero = _zero_points(q.reshape(-1, GROUP), scale.reshape(-1), offset.reshape(-1))
-    return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
+    q, scale, zero, b = _zero_points(q.reshape(-1, GROUP), scale.reshape(-1), offset.reshape(-1))
+    return q.reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1), b.reshape(rows, -1)
 
 
 def q8_to_int8(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -97,7 +101,7 @@ def blocks_to_int8(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray,
     if qtype == "Q5_1":
         blocks = np.ascontiguousarray(raw).reshape(-1, 24)
         q5 = _q5_values(blocks[:, 4:8], blocks[:, 8:24])
-        q, scale, zero = _zero_points(q5, _f16(blocks[:, 0:2]), -_f16(blocks[:, 2:4]))
+        q, scale, zero, _ = _zero_points(q5, _f16(blocks[:, 0:2]), -_f16(blocks[:, 2:4]))
     elif qtype == "Q5_K":
         from gguf.quants import Q4_K
 
@@ -106,7 +110,7 @@ def blocks_to_int8(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray,
         sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
         q5 = _q5_k_values(blocks[:, 16:48], blocks[:, 48:176]).reshape(-1, GROUP)
         scale = d[:, None] * sc.astype(np.float32)
-        q, scale, zero = _zero_points(q5, scale.reshape(-1), (dmin[:, None] * mn.astype(np.float32)).reshape(-1))
+        q, scale, zero, _ = _zero_points(q5, scale.reshape(-1), (dmin[:, None] * mn.astype(np.float32)).reshape(-1))
     else:
         raise ValueError(f"no int8 form for GGUF type {qtype}")
     return q.astype(np.int8).reshape(rows, -1), _by16(scale.reshape(rows, -1)), _by16(zero.reshape(rows, -1))
@@ -160,13 +164,17 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return _nibbles(blocks[:, 16:], 32), scale, offset
 
 
-def _zero_points(q: np.ndarray, scale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Groups W = scale q - offset -> (q, s, z) with W = (q - z) s; constant groups (scale 0) exact."""
+def _zero_points(
+    q: np.ndarray, scale: np.ndarray, offset: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Groups W = scale q - offset -> (q, s, z, b) with W = (q - z) s = q s + b; constant groups
+    (scale 0) exact: q = 1, s = -offset, z = b = 0."""
     constant = scale == 0
     safe = np.where(constant, 1.0, scale).astype(np.float32)
     zero = np.where(constant, 0.0, offset / safe).astype(np.float32)
     q = np.where(constant[:, None], np.uint8(1), q).astype(np.uint8)
-    return q, np.where(constant, -offset, scale).astype(np.float32), zero
+    b = np.where(constant, 0.0, -offset).astype(np.float32)
+    return q, np.where(constant, -offset, scale).astype(np.float32), zero, b
 
 
 def _lazy_param(
@@ -214,8 +222,8 @@ class GGUFLinearMethod(Int4KernelMethod):
         self.output_sizes, self.params_dtype = output_sizes, params_dtype
         _lazy_param(layer, "weight", (n, input_size), params_dtype, weight_loader, self.float_parts)
         if input_size % GROUP == 0:  # else no 4-bit block fits a row (the float form still loads)
-            q_shapes = ((n, input_size), (n, input_size // GROUP), (n, input_size // GROUP))
-            for name, shape, dtype in zip(Q4_SUFFIXES, q_shapes, (torch.uint8, torch.float32, torch.float32)):
+            q_shapes = ((n, input_size), *[(n, input_size // GROUP)] * 3)
+            for name, shape, dtype in zip(Q4_SUFFIXES, q_shapes, (torch.uint8, *[torch.float32] * 3)):
                 _lazy_param(layer, name, shape, dtype, weight_loader, self.q4_parts)
             for name, shape, dtype in zip(Q8_SUFFIXES, q_shapes, (torch.int8, torch.float32)):
                 _lazy_param(layer, name, shape, dtype, weight_loader, self.q8_parts)
@@ -247,8 +255,8 @@ class GGUFLinearMethod(Int4KernelMethod):
                 delattr(layer, name)
         self.converted = True
         if not self.float_parts and set(forms) == {"q4"}:
-            q, scale, zero = forms["q4"]
-            self.finish_int4(layer, q, scale, zero, None)
+            q, scale, zero, offset = forms["q4"]
+            self.finish_int4(layer, q, scale, zero, None, offset=offset)
             return
         method: LinearMethodBase
         if forms and not self.float_parts and int8_groups.can_store(next(iter(forms.values()))[0]):
@@ -284,7 +292,7 @@ class GGUFLinearMethod(Int4KernelMethod):
             if kind not in forms:
                 continue
             values = forms[kind]
-            kind_zero = values[2] if len(values) == 3 else torch.zeros_like(values[1])
+            kind_zero = values[2] if kind != "q8" else torch.zeros_like(values[1])
             repeat = 1 if kind == "int8" else GROUP // INT8_GROUP  # a group of 32's scale for each half
             for start, end in self._rows_of(parts):
                 q[start:end] = values[0][start:end].to(torch.int8)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Protocol, cast
 
 import torch
@@ -163,6 +163,8 @@ class Int4KernelMethod(LinearMethodBase):
     def __init__(self) -> None:
         self.group_size = 0
         self._kernel: LinearInt4 = _not_loaded_yet
+        # The CPU layer's weight_zero holds offsets b (W = q * s + b) instead of zero points.
+        self.zero_offset = False
 
     def finish_int4(
         self,
@@ -172,10 +174,13 @@ class Int4KernelMethod(LinearMethodBase):
         zero: torch.Tensor,
         perm: torch.Tensor | None,
         dtype: torch.dtype = torch.float32,
+        offset: torch.Tensor | None = None,
     ) -> None:
         """Store q [N, K], scale and zero [N, K / G] (inputs in ``perm`` order) in the layout of
         their device's kernel, or the dequantized weight in ``dtype`` (the model's; float32 on
-        CPU) where no kernel takes them."""
+        CPU) where no kernel takes them. ``offset``: the same weights' exact offsets b with
+        W = q * s + b where the source has them (GGUF Q4_1's m): the CPU layer holds those instead
+        of the zero points when they, not the zero points, are float16 values (half the bytes)."""
         self.group_size = q.shape[1] // scale.shape[1]
         if triton_layout.triton_device(q.device):
             self._store(layer, triton_layout.pack_int4(q), *triton_layout.int4_group_params(scale, zero), perm)
@@ -186,9 +191,13 @@ class Int4KernelMethod(LinearMethodBase):
             self._fall_back(layer, dequantize(q, scale, zero).to(dtype), perm)
             return
         packed_scale, packed_zero = pack_group_params(scale, zero)
+        if packed_scale is not None and packed_scale.dtype == torch.float32 and offset is not None:
+            as_offsets = pack_group_params(scale, offset)
+            if as_offsets[0] is not None and as_offsets[0].dtype == torch.float16:
+                (packed_scale, packed_zero), self.zero_offset = as_offsets, True
         assert packed_scale is not None, "a scale was given"
         self._store(layer, pack_int4(q), packed_scale, packed_zero, perm)
-        self._kernel = kernel
+        self._kernel = partial(kernel, offset=True) if self.zero_offset else kernel
 
     def cpu_kernel(self) -> LinearInt4 | None:
         """The CPU op that runs the packed int4 weights (None: not built)."""
