@@ -326,3 +326,24 @@ def test_old_offline_throughput_command_maps_to_bench():
         "8",
     ]
     assert translate(["--skip-hf"]) == ["bench", "throughput"]
+
+
+def test_latency_on_a_gguf_file_against_its_own_file_in_llama_cpp(capsys, tmp_path, model_dir):
+    """``--model FILE.gguf``: the shapes from the file's header, pagedllm on the file's default
+    method, llama.cpp (when installed) and transformers on the very same file."""
+    pytest.importorskip("gguf")
+    from pagedllm.entrypoints.bench import baselines, gguf_export, llama_cpp
+    from pagedllm.entrypoints.bench.common import BenchModel, read_hf_config
+
+    config = read_hf_config(model_dir)
+    path = gguf_export.write_gguf(baselines.load_hf_model(model_dir, True, 0).state_dict(), config, tmp_path / "t.gguf")
+    from_file = read_hf_config(path)
+    assert from_file == {key: config.get(key, from_file[key]) for key in from_file}
+    with llama_cpp.gguf_for(BenchModel(path, "auto", False, "t"), 0) as served:
+        assert served == path  # llama.cpp runs the file itself, not a conversion
+    baselines_flags = ["--hf-baseline", *(["--llama-cpp-baseline"] if llama_cpp.available() else [])]
+    report = run_bench(capsys, tmp_path, *latency_args(path, "1"), *baselines_flags)
+    weights = {r["system"]: r["weights"] for r in report["results"]}
+    assert weights["pagedllm"] == "gguf, head float32" and weights["hf"] == "float32"  # the file's method, an F32 head
+    if llama_cpp.available():
+        assert weights["llama.cpp"] == "the file's own"

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from pagedllm.entrypoints.bench.common import is_gguf
 from pagedllm.entrypoints.bench.datasets import BenchRequest
 
 
@@ -40,6 +41,9 @@ def load_hf_model(model_dir: str | Path, dummy: bool, seed: int) -> Any:
     if dummy:
         config = AutoConfig.from_pretrained(str(model_dir))
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    elif is_gguf(model_dir):  # transformers dequantizes the file's blocks to float32
+        path = Path(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
     model = model.to(torch.float32).eval()

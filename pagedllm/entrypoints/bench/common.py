@@ -66,7 +66,29 @@ def write_dummy_model_dir(path: Path) -> Path:
     return path
 
 
+def is_gguf(model: str | Path) -> bool:
+    """Whether ``model`` names a GGUF file (the benchmarks then read its header, not config.json)."""
+    return Path(model).suffix.lower() == ".gguf" and Path(model).is_file()
+
+
 def read_hf_config(model_dir: Path) -> dict[str, Any]:
+    """The model's config.json as a dict, or for a GGUF file the fields the benchmarks read
+    (shapes, vocabulary, context length) from its header."""
+    if is_gguf(model_dir):
+        from pagedllm.gguf_config import gguf_arch_config
+
+        arch = gguf_arch_config(model_dir)
+        return {
+            "vocab_size": arch.vocab_size,
+            "hidden_size": arch.hidden_size,
+            "intermediate_size": arch.intermediate_size,
+            "num_hidden_layers": arch.num_hidden_layers,
+            "num_attention_heads": arch.num_attention_heads,
+            "num_key_value_heads": arch.num_key_value_heads,
+            "head_dim": arch.head_dim,
+            "max_position_embeddings": arch.max_position_embeddings,
+            "attention_bias": arch.attention_bias,
+        }
     config = json.loads((Path(model_dir) / "config.json").read_text())
     return {**config.get("text_config", {}), **config}
 
@@ -107,7 +129,11 @@ def bench_model(args: argparse.Namespace) -> Iterator[BenchModel]:
 
 # ---------------------------------------------------------------------------------------------- flags
 def add_common_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model dir; default: dummy-weight SmolLM-135M shape")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="HF model dir or GGUF file (llama.cpp then runs the same file); default: dummy-weight SmolLM-135M shape",
+    )
     p.add_argument(
         "--load-format",
         default=None,

@@ -217,24 +217,26 @@ def run_pagedllm(
     results = [measure_prefill(engine, probe, args, cost, limits, rng, vocab)]
     for batch in args.batch_sizes:
         results.append(measure_decode(engine, probe, args, batch, cost, limits, rng, vocab))
-    weights = pagedllm_weights(args, probe.weights_model)
+    weights = pagedllm_weights(args, probe.weights_model, engine.config.model_config.quantization)
     del engine, probe
     gc.collect()
     return [dataclasses.replace(m, weights=weights) for m in results]
 
 
-def pagedllm_weights(args: argparse.Namespace, model: Any) -> str:
-    """What pagedllm computes with, for the tables: the method and its LM head's form (as built)."""
+def pagedllm_weights(args: argparse.Namespace, model: Any, quantization: str | None = None) -> str:
+    """What pagedllm computes with, for the tables: the method (``quantization``: as the engine
+    resolved it, e.g. a GGUF file's default) and its LM head's form (as built)."""
     from pagedllm.layers.quantization.int8_groups import GroupedInt8HeadMethod
     from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 
     dtype = canonical_dtype(args.dtype)
-    if args.quantization in (None, "none"):
+    quantization = quantization or args.quantization
+    if quantization in (None, "none"):
         return dtype
     head = getattr(getattr(model, "lm_head", None), "quant_method", None)
     forms = ((GroupedInt8HeadMethod, "int8 g32"), (W8A8LinearMethod, "w8a8"))
     form = next((name for cls, name in forms if isinstance(head, cls)), dtype)
-    return f"{args.quantization}, head {form}"
+    return f"{quantization}, head {form}"
 
 
 # ---------------------------------------------------------------------------------------------- baselines

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pagedllm.entrypoints.bench.common import BenchModel, read_hf_config
+from pagedllm.entrypoints.bench.common import BenchModel, is_gguf, read_hf_config
 from pagedllm.entrypoints.bench.datasets import BenchRequest
 
 Entry = tuple[int, int, int, bool]  # (token id, position, sequence id, wants logits)
@@ -82,6 +82,9 @@ def gguf_types(args: argparse.Namespace) -> tuple[str | None, str | None]:
 
 def weights_label(args: argparse.Namespace) -> str:
     """What the baseline's weights are, for the tables: e.g. ``Q4_0, head Q8_0``."""
+    model = getattr(args, "model", None)
+    if model is not None and is_gguf(model):
+        return "the file's own"
     quant, head = gguf_types(args)
     return f"{quant or 'F32'}, head {head or 'F32'}"
 
@@ -89,8 +92,12 @@ def weights_label(args: argparse.Namespace) -> str:
 @contextlib.contextmanager
 def gguf_for(model: BenchModel, seed: int, args: argparse.Namespace | None = None) -> Iterator[Path]:
     """A temporary GGUF (types from ``args``' llama.cpp flags; float32 without them) of the HF
-    model the HF baseline would build with ``seed``."""
+    model the HF baseline would build with ``seed``; a GGUF model is its own file, as it is."""
     from pagedllm.entrypoints.bench import baselines, gguf_export
+
+    if is_gguf(model.path):
+        yield model.path
+        return
 
     quant, head = gguf_types(args) if args is not None else (None, None)
     with tempfile.TemporaryDirectory(prefix="pagedllm-gguf-") as tmp:

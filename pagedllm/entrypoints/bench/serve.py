@@ -38,7 +38,9 @@ class RequestRecord:
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
-    p.add_argument("--model", default=None, help="the served model's HF dir: token-id range and context length")
+    p.add_argument(
+        "--model", default=None, help="the served model's HF dir or GGUF file: token-id range and context length"
+    )
     p.add_argument("--served-model-name", default=None, help="default: the first id of GET /v1/models")
     p.add_argument("--vocab-size", type=int, default=None, help="without --model (default 49152: SmolLM-135M)")
     p.add_argument("--api-key", default=None)
