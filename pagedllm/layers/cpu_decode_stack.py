@@ -227,8 +227,8 @@ _PACKED, _INT8, _W8A8, _INT4, _W4A8, _INT8_GROUPS, _INT4_OFFSET, _W4A8_OFFSET = 
 
 
 def _comp(linear: Any, method: int) -> torch.Tensor | None:
-    """The op's second per-linear tensor: w8a8's compensation, the zero points of int4, w4a8 and
-    int8 groups (None for symmetric groups)."""
+    """The op's second per-linear tensor: w8a8's compensation, the zero points (or, methods 6 / 7,
+    the offsets) of int4, w4a8 and int8 groups (None for symmetric groups)."""
     zero = getattr(linear, "weight_zero", None)
     if method == _W8A8:
         return cast(torch.Tensor | None, getattr(linear, "weight_comp", None))
