@@ -86,11 +86,11 @@ def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4])
     p4 = int4.pack_int4(q)
     # The engine's parameters (float16 where exact: pack_group_params) and float32 ones, which
     # the "/f32" rows and a --baseline revision (older builds take only float32) read.
-    params = {"engine": tuple(pack_group_params(scale, zero)), "f32": (pack_groups(scale), pack_groups(zero))}
+    params = {"engine": pack_group_params(scale, zero), "f32": (pack_groups(scale), pack_groups(zero))}
 
     def int4_call(op: int4.LinearInt4, kind: str = "engine") -> tuple[Call, int]:
         s4, z4 = params[kind]
-        assert s4 is not None and z4 is not None
+        assert z4 is not None, "int4 has zero points"
         return (lambda x: op(x, p4, s4, z4, None, group)), p4.nbytes + s4.nbytes + z4.nbytes
 
     return {

@@ -104,15 +104,20 @@ def pack_groups(t: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Te
     return t.to(dtype).reshape(n // PANEL, PANEL, groups).transpose(1, 2).contiguous()
 
 
-def pack_group_params(*values: torch.Tensor | None) -> list[torch.Tensor | None]:
+def fits_fp16(*values: torch.Tensor | None) -> bool:
+    """Whether every value of the given tensors is exactly a float16."""
+    return all(torch.equal(v.float().half().float(), v.float()) for v in values if v is not None)
+
+
+def pack_group_params(
+    scale: torch.Tensor, zero: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A layer's per-group scales (and zero points) packed by ``pack_groups``: in float16 when every
-    value of all of them is exactly a float16 (GGUF's Q4_0 / Q8_0, AWQ / GPTQ with float16 scales,
-    the engine's own quantizers: ``fp16_scales``), else float32. At batch 1 the kernels stream
-    these beside the weights: float32 ones per 64 int4 weights are a fifth of the bytes."""
-    given = [v for v in values if v is not None]
-    exact = all(torch.equal(v.float().half().float(), v.float()) for v in given)
-    dtype = torch.float16 if exact else torch.float32
-    return [None if v is None else pack_groups(v, dtype) for v in values]
+    value of both is exactly a float16 (``fits_fp16``: GGUF's Q4_0 / Q8_0, AWQ / GPTQ with float16
+    scales, the engine's own quantizers: ``fp16_scales``), else float32. At batch 1 the kernels
+    stream these beside the weights: float32 ones per 64 int4 weights are a fifth of the bytes."""
+    dtype = torch.float16 if fits_fp16(scale, zero) else torch.float32
+    return pack_groups(scale, dtype), None if zero is None else pack_groups(zero, dtype)
 
 
 # The float16 range where a scale keeps float16's full precision (normal numbers).

@@ -31,7 +31,15 @@ from typing import Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL, fp16_scales, pack_group_params, pack_int8, packable, unpack_int8
+from pagedllm.layers.cpu_gemm_kernels import (
+    PANEL,
+    fits_fp16,
+    fp16_scales,
+    pack_group_params,
+    pack_int8,
+    packable,
+    unpack_int8,
+)
 from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization import triton_layout
 from pagedllm.layers.quantization.base import (
@@ -190,13 +198,9 @@ class Int4KernelMethod(LinearMethodBase):
         if q.shape[0] % PANEL or self.group_size % _BLOCK_STEPS or kernel is None:
             self._fall_back(layer, dequantize(q, scale, zero).to(dtype), perm)
             return
-        packed_scale, packed_zero = pack_group_params(scale, zero)
-        if packed_scale is not None and packed_scale.dtype == torch.float32 and offset is not None:
-            as_offsets = pack_group_params(scale, offset)
-            if as_offsets[0] is not None and as_offsets[0].dtype == torch.float16:
-                (packed_scale, packed_zero), self.zero_offset = as_offsets, True
-        assert packed_scale is not None, "a scale was given"
-        self._store(layer, pack_int4(q), packed_scale, packed_zero, perm)
+        if offset is not None and not fits_fp16(scale, zero) and fits_fp16(scale, offset):
+            zero, self.zero_offset = offset, True  # the offsets, not the zero points, fit float16
+        self._store(layer, pack_int4(q), *pack_group_params(scale, zero), perm)
         self._kernel = partial(kernel, offset=True) if self.zero_offset else kernel
 
     def cpu_kernel(self) -> LinearInt4 | None:

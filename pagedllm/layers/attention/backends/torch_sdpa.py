@@ -141,12 +141,13 @@ class TorchAttentionBackend(AttentionBackend):
         query_lens = common.query_lens_cpu()
         device = common.block_table.device
         # The gather fallback copies K/V per row: keep it to true decodes (one row per request).
-        rowwise = MAX_ROWWISE_QUERY_LEN if self._kernels(device) is not None else 1
+        kernels = self._kernels(device) is not None
+        rowwise = MAX_ROWWISE_QUERY_LEN if kernels else 1
         short_idx = [i for i, n in enumerate(query_lens) if n <= rowwise]
         prefill_idx = [i for i, n in enumerate(query_lens) if n > rowwise]
         loc, seq_lens = common.query_start_loc_cpu, common.seq_lens_cpu
         decode_rows = decode_slots = decode_lens = decode_table = None
-        if short_idx and common.max_query_len == 1 and self._kernels(device) is not None:
+        if short_idx and common.max_query_len == 1 and kernels:
             # Pure decode (one token per request, the kernel path): row i is request i, attending
             # to its whole sequence through its own table (what _rowwise_queries gives, without
             # its index arithmetic: ~50 us of a batch-1 step on cold caches).
@@ -158,7 +159,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_rows = torch.from_numpy(rows).to(device)
             decode_lens = torch.from_numpy(lens).to(device)
             table = common.block_table[torch.from_numpy(owners).to(device)]
-            if self._kernels(device) is not None:
+            if kernels:
                 decode_table = table.contiguous()
             else:
                 decode_slots = _slots_for(table, int(lens.max()), common.block_size)
