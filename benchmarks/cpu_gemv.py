@@ -1,7 +1,7 @@
 """CPU linear layers at decode batch sizes: the packed-weight kernel vs oneDNN vs ``F.linear``.
 
     python -m benchmarks.cpu_gemv [--rows 1 2 4 8 16 32 64 128] [--reps 15] [--layers 30]
-                                  [--isa avx512 avx2]
+                                  [--isa avx512 avx2] [--baseline REV]
 
 Weights are a SmolLM-135M-shaped model's (per layer qkv 960x576, o 576x576, gate_up 3072x576,
 down 576x1536; LM head 49152x576), 538 MB in all, called in model order so every call streams
@@ -10,6 +10,8 @@ the methods alternating (A B C, B C A, ...) so the machine's noise hits all alik
 medians over reps, the weight GB/s and GFLOP/s they imply, and each method's ratio to oneDNN
 and to ``F.linear`` per shape. The packed kernel runs once per ``--isa`` level (``packed-avx2``,
 ...; default: the engine's level), all on the same packed weights (the layout is ISA-independent).
+``--baseline REV`` adds ``packed-<level>@REV``: the kernel's source as of git revision REV, built
+beside the engine's (``benchmarks.kernel_revision``), for a before / after in one process.
 Each rep waits (up to 2 min) until other processes leave the CPUs idle, see ``--quiet``.
 The machine's copy and read bandwidth are measured in the same run for reference. The last
 stdout line is the report as JSON.
@@ -27,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from benchmarks.kernel_revision import build_at_revision
 from pagedllm import cpu_info
 from pagedllm.entrypoints.bench.machine import measure_limits
 from pagedllm.layers.cpu_gemm_kernels import pack_weight
@@ -48,14 +51,18 @@ BASELINES: dict[str, Linear] = {
 }
 
 
-def packed_methods(levels: list[str]) -> dict[str, Linear]:
-    """``packed-<level>``: the packed kernel of each ISA level's build."""
+def packed_methods(levels: list[str], baseline: str | None = None) -> dict[str, Linear]:
+    """``packed-<level>``: the packed kernel of each ISA level's build; with ``baseline``, also
+    ``packed-<level>@<baseline>``: that git revision's kernel source, built beside it."""
     methods: dict[str, Linear] = {}
     for level in levels:
         ops = cpu_ops(level)
         if ops is None:
             raise SystemExit(f"the {level} kernel build failed (or PAGEDLLM_CPU_KERNELS=0)")
         methods[f"packed-{level}"] = lambda x, w, op=ops.packed_linear.default: op(x, w, None)
+        if baseline:
+            old = build_at_revision(baseline, "cpu_gemm.cpp", level).packed_linear.default
+            methods[f"packed-{level}@{baseline}"] = lambda x, w, op=old: op(x, w, None)
     return methods
 
 
@@ -160,6 +167,11 @@ def main() -> None:
         choices=cpu_info.runnable_isas(),
         help="ISA levels whose packed kernel to time (default: the engine's, PAGEDLLM_CPU_ISA; none: baselines only)",
     )
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also time each --isa level's packed kernel as of this git revision (same packed layout)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--quiet",
@@ -169,7 +181,7 @@ def main() -> None:
     )
     args = p.parse_args()
     levels = [selected_isa()] if args.isa is None else args.isa
-    methods = {**{b: BASELINES[b] for b in args.baselines}, **packed_methods(levels)}
+    methods = {**{b: BASELINES[b] for b in args.baselines}, **packed_methods(levels, args.baseline)}
     if not methods:
         raise SystemExit("nothing to time: give --baselines or --isa")
     limits = measure_limits(copy_mib=256)

@@ -28,48 +28,26 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from benchmarks.cpu_gemv import SHAPES, wait_for_quiet
+from benchmarks.kernel_revision import build_at_revision
 from pagedllm import cpu_info
 from pagedllm.entrypoints.bench.machine import measure_limits
 from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm, pack_group_params, pack_groups, pack_weight
-from pagedllm.layers.cpu_kernels import compile_flags, selected_isa
+from pagedllm.layers.cpu_kernels import selected_isa
 from pagedllm.layers.quantization import int4, int8
 
 Call = Callable[[torch.Tensor], torch.Tensor]
-# The int4 kernel's source and the headers it includes (as of this revision).
-INT4_SOURCES = ("cpu_gemm_grouped.cpp", "cpu_vec.h", "cpu_gemm_common.h", "cpu_kernels.h")
 
 
 def baseline_int4(rev: str) -> dict[str, int4.LinearInt4]:
     """``packed_linear_int4`` and ``packed_linear_w4a8`` built from git revision ``rev``'s sources
     (registered under their own op namespace, beside the engine's build), by name."""
-    from torch.utils.cpp_extension import load
-
-    level = selected_isa()
-    folder = Path(tempfile.mkdtemp(prefix="int4-baseline-"))
-    for name in INT4_SOURCES:
-        show = ["git", "show", f"{rev}:pagedllm/csrc/{name}"]
-        (folder / name).write_text(subprocess.run(show, check=True, capture_output=True, text=True).stdout)
-    namespace = f"int4_baseline_{level}"
-    flags = [f for f in compile_flags(level) if not f.startswith("-DPAGEDLLM_OPS=")] + [f"-DPAGEDLLM_OPS={namespace}"]
-    sources = [str(folder / INT4_SOURCES[0])]
-    load(
-        namespace,
-        sources,
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(folder),
-        is_python_module=False,
-    )
-    ops = getattr(torch.ops, namespace)
+    ops = build_at_revision(rev, "cpu_gemm_grouped.cpp", selected_isa())
     return {f"int4@{rev}": ops.packed_linear_int4.default, f"w4a8@{rev}": ops.packed_linear_w4a8.default}
 
 
