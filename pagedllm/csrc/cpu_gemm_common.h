@@ -155,13 +155,15 @@ inline void tile(const Problem<T>& pr, int64_t m0, int64_t p0, const T* w, int64
 
 // The group of panels [g, ge) (1-4 panels) for MR rows at m0, in as few tiles of max_panels(MR)
 // panels as cover it, of even widths; [f0, f1): the panels to prefetch, shared out over the tiles.
-// When the tile streams its weights from memory (streams) and is narrower than the group (AVX2's
-// tiles of 2 to 6 rows are 1 or 2 panels wide, NEON's and portable's 1), it also prefetches the
-// panels one tile ahead, up to the thread's last panel p1 (the fp32 layout, where they follow in
-// memory): the hardware prefetcher alone keeps too few lines in flight on one or two sequential
-// streams (avx2 build on Zen 4, 2 threads, a decode step's linears: 1.12-1.27x at 4 rows,
-// 1.18-1.48x at 5, 1.26-1.51x at 6). A tile as wide as the group (AVX-512, and every 1-row
-// tile) reads 4 panels side by side and gains nothing from it.
+// When the tiles stream their weights from memory (streams) and are narrower than the group
+// (AVX2's tiles of 2 to 6 rows are 1 or 2 panels wide, NEON's and portable's 1), they prefetch
+// ahead instead: the hardware prefetcher alone keeps too few lines in flight on one or two
+// sequential streams. In the fp32 layout each tile prefetches the panels one tile ahead, up to
+// the thread's last panel p1 (they follow in memory; avx2 build on Zen 4, a decode step's
+// linears: 1.16x at 3 rows, 1.42-1.47x at 4-6). In the int8 layout every tile of a group reads
+// the group's lines, the first from memory and the rest from cache; the second tile prefetches
+// the next group (1.17-1.33x at 2-6 rows). A tile as wide as the group (AVX-512, and every
+// 1-row tile) reads 4 panels side by side and gains nothing from it.
 template <int MR, class T>
 void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t f0, int64_t f1, bool streams, int64_t p1) {
   constexpr int kNr = max_panels(MR);
@@ -172,17 +174,21 @@ void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t 
   const int64_t share = (f1 - f0 + tiles - 1) / tiles;
   for (int64_t j = 0; j < width; j += nr) {
     const int64_t cols = std::min(nr, width - j);
-    int64_t q0 = std::min(f1, f0 + j / nr * share), q1 = std::min(f1, q0 + share);
-    if (streams && tiles > 1 && nr <= 2) {  // the panels one tile ahead (at most 2, as pf and pf2)
-      q0 = std::min(p1, g + j + cols);
-      q1 = std::min(p1, q0 + cols);
+    // Line k of pf and of pf2 at each k step (pf2 == pf for one panel); none without pf.
+    const T* pf = nullptr;
+    const T* pf2 = nullptr;
+    if (streams && tiles > 1 && !pr.interleaved) {  // the panels one tile ahead (nr <= 2 here)
+      const int64_t q0 = std::min(p1, g + j + cols), q1 = std::min(p1, q0 + cols);
+      if (q1 > q0) pf = pr.p + q0 * panel, pf2 = pr.p + (q1 - 1) * panel;
+    } else if (streams && tiles > 1) {  // int8: the next group, if full (its k stride is this one's)
+      if (j == nr && width == kGroup && ge + kGroup <= p1) pf = pf2 = pr.p + ge * panel;
+    } else if (!pr.interleaved) {  // this tile's share of the next group, panel by panel
+      const int64_t q0 = std::min(f1, f0 + j / nr * share), q1 = std::min(f1, q0 + share);
+      if (q1 > q0) pf = pr.p + q0 * panel, pf2 = pr.p + (q1 - 1) * panel;
     }
-    // Prefetch lines of whole panels: the fp32 layout's (an int8 panel is not contiguous).
-    const T* pf = pr.p + q0 * panel;
-    const T* pf2 = pr.p + std::max(q0, q1 - 1) * panel;
     dispatch<kNr>(cols, [&](auto c) {
       constexpr int NR = decltype(c)::value;
-      if (q1 > q0 && !pr.interleaved)
+      if (pf)
         tile<MR, NR, true>(pr, m0, g + j, w + j * panel_stride, panel_stride, k_stride, pf, pf2);
       else
         tile<MR, NR, false>(pr, m0, g + j, w + j * panel_stride, panel_stride, k_stride, pf, pf2);
