@@ -4,10 +4,9 @@
 
 On a shared machine whose speed drifts by tens of percent from one minute to the next, two
 benchmark processes run minutes apart cannot tell a 20% kernel change from noise. This builds
-``csrc/cpu_paged_attention.cpp`` (with the ``cpu_vec.h`` beside it) of both versions as two small
-libraries, each registering its op under its own namespace (``torch.ops.attn_ab_base`` and
-``attn_ab_new``), then alternates them call batch by call batch on the same inputs and reports
-medians. Shapes: SmolLM-135M's heads (9 query, 3 KV heads of 64), blocks of 16 in shuffled
+``csrc/cpu_paged_attention.cpp`` (with the headers beside it) of both versions as two small
+libraries (``benchmarks.kernel_revision``), each registering its op under its own namespace, then
+alternates them call batch by call batch on the same inputs and reports medians. Shapes: SmolLM-135M's heads (9 query, 3 KV heads of 64), blocks of 16 in shuffled
 order, contexts from in-cache (40 tokens) to streaming from memory (512). Outputs of the two are
 checked equal within 1e-4. The ISA level is the build's (``--isa``, default avx2 on x86-64).
 """
@@ -16,18 +15,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
 import torch
 
-from pagedllm.layers.cpu_kernels import compile_flags
+from benchmarks.kernel_revision import build_at_revision
 
-REPO = Path(__file__).resolve().parents[1]
-CSRC = "pagedllm/csrc"
-SOURCES = ("cpu_paged_attention.cpp", "cpu_vec.h")
 SHAPES = [(1, 40), (4, 40), (64, 40), (16, 512), (64, 300)]  # (sequences, context tokens)
 
 REGISTRATION = """
@@ -43,37 +36,10 @@ TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) { m.impl("paged_decode_attention", &pag
 """
 
 
-def _write_sources(ref: str | None, folder: Path) -> Path:
-    """The kernel's sources at ``ref`` (None: the working tree) in ``folder``, plus the registration."""
-    folder.mkdir(parents=True)
-    for name in SOURCES:
-        path = f"{CSRC}/{name}"
-        text = (REPO / path).read_text() if ref is None else _git_show(ref, path)
-        (folder / name).write_text(text)
-    (folder / "registration.cpp").write_text(REGISTRATION)
-    return folder
-
-
-def _git_show(ref: str, path: str) -> str:
-    return subprocess.run(["git", "show", f"{ref}:{path}"], cwd=REPO, check=True, capture_output=True, text=True).stdout
-
-
-def _build(name: str, folder: Path, isa: str) -> object:
-    from torch.utils.cpp_extension import load
-
-    flags = [f for f in compile_flags(isa) if not f.startswith("-DPAGEDLLM_OPS=")] + [f"-DPAGEDLLM_OPS={name}"]
-    build = folder / "build"
-    build.mkdir()
-    load(
-        name=name,
-        sources=[str(folder / "cpu_paged_attention.cpp"), str(folder / "registration.cpp")],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-        verbose=False,
-    )
-    return getattr(torch.ops, name).paged_decode_attention
+def _build(ref: str | None, isa: str) -> object:
+    """The decode attention op of ``ref`` (None: the working tree), built for ``isa``."""
+    ops = build_at_revision(ref, "cpu_paged_attention.cpp", isa, {"registration.cpp": REGISTRATION})
+    return ops.paged_decode_attention
 
 
 def _inputs(batch: int, ctx: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
@@ -99,27 +65,23 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--isa", default="avx2", help="kernel level to build both with (default avx2)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory(prefix="attention-ab-") as tmp:
-        ops = {
-            "base": _build("attn_ab_base", _write_sources(args.base, Path(tmp) / "base"), args.isa),
-            "new": _build("attn_ab_new", _write_sources(None, Path(tmp) / "new"), args.isa),
-        }
-        generator = torch.Generator().manual_seed(0)
-        print(f"decode attention, {args.base} (base) vs working tree (new), {args.isa} build; median of {args.rounds}")
-        print("threads  seqs  context   base us    new us  new speed")
-        for threads in args.threads:
-            torch.set_num_threads(threads)
-            for batch, ctx in SHAPES:
-                q, *rest = _inputs(batch, ctx, generator)
-                outs = {k: torch.empty_like(q) for k in ops}
-                calls = max(3, 20_000 // (batch * ctx))
-                times: dict[str, list[float]] = {k: [] for k in ops}
-                for _ in range(args.rounds):
-                    for k, op in ops.items():
-                        times[k].append(_time(op, outs[k], (q, *rest), calls))
-                torch.testing.assert_close(outs["new"], outs["base"], rtol=1e-4, atol=1e-5)
-                base, new = (statistics.median(times[k]) for k in ("base", "new"))
-                print(f"{threads:7d} {batch:5d} {ctx:8d} {base * 1e6:9.1f} {new * 1e6:9.1f} {base / new:9.2f}x")
+    ops = {"base": _build(args.base, args.isa), "new": _build(None, args.isa)}
+    generator = torch.Generator().manual_seed(0)
+    print(f"decode attention, {args.base} (base) vs working tree (new), {args.isa} build; median of {args.rounds}")
+    print("threads  seqs  context   base us    new us  new speed")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for batch, ctx in SHAPES:
+            q, *rest = _inputs(batch, ctx, generator)
+            outs = {k: torch.empty_like(q) for k in ops}
+            calls = max(3, 20_000 // (batch * ctx))
+            times: dict[str, list[float]] = {k: [] for k in ops}
+            for _ in range(args.rounds):
+                for k, op in ops.items():
+                    times[k].append(_time(op, outs[k], (q, *rest), calls))
+            torch.testing.assert_close(outs["new"], outs["base"], rtol=1e-4, atol=1e-5)
+            base, new = (statistics.median(times[k]) for k in ("base", "new"))
+            print(f"{threads:7d} {batch:5d} {ctx:8d} {base * 1e6:9.1f} {new * 1e6:9.1f} {base / new:9.2f}x")
 
 
 if __name__ == "__main__":

@@ -46,8 +46,12 @@ inline void dot_keys(const float* q, const float* const* k, int64_t off, int64_t
 #pragma GCC unroll 8
     for (int p = 0; p < P; ++p) acc[p] = fmadd(qv, load(k[p] + off + d), acc[p]);
   }
+  if constexpr (P == 8) {
+    reduce_add_8(acc, out);  // a full tile's 8 sums at once
+  } else {
 #pragma GCC unroll 8
-  for (int p = 0; p < P; ++p) out[p] = reduce_add(acc[p]);
+    for (int p = 0; p < P; ++p) out[p] = reduce_add(acc[p]);
+  }
 }
 
 // out[0, V * kWidth) = sum_i probs[i] * v[rows[i]][0, V * kWidth): V accumulators in registers
