@@ -11,7 +11,7 @@ formats run the engine's kernels on packed weights: fp32 (``packed_linear``), in
 ``--group`` inputs: 576 and 1536 are not multiples of 128, so the engine picks 64 here), and
 w4a8 (``packed_linear_w4a8``: the int4 weights, activations quantized to int8 in the op).
 Methods alternate each rep (as in ``benchmarks.cpu_gemv``) and medians are reported.
-``--baseline REV`` adds ``int4@REV`` and ``w4a8@REV``: the int4 kernels' source (and the headers it includes) as of
+``--baseline REV`` adds ``int4@REV``, ``w4a8@REV`` and ``int8@REV``: those kernels' sources (and the headers) as of
 git revision REV, built on its own at the engine's ISA level, in the same rotation on the same
 weights, for a before / after comparison in one process. REV must share the packed layout
 (blocks of 8 inputs per 32-bit word, from the commit that introduced w4a8 on).
@@ -44,16 +44,24 @@ from pagedllm.layers.quantization import int4, int8
 Call = Callable[[torch.Tensor], torch.Tensor]
 
 
-def baseline_int4(rev: str) -> dict[str, int4.LinearInt4]:
-    """``packed_linear_int4`` and ``packed_linear_w4a8`` built from git revision ``rev``'s sources
-    (registered under their own op namespace, beside the engine's build), by name."""
-    ops = build_at_revision(rev, "cpu_gemm_grouped.cpp", selected_isa())
-    return {f"int4@{rev}": ops.packed_linear_int4.default, f"w4a8@{rev}": ops.packed_linear_w4a8.default}
+def baseline_ops(rev: str) -> tuple[dict[str, int4.LinearInt4], dict[str, Callable[..., torch.Tensor]]]:
+    """``packed_linear_int4`` and ``packed_linear_w4a8``, and ``packed_linear_int8``, built from git
+    revision ``rev``'s sources (registered under their own op namespaces, beside the engine's
+    build), by name."""
+    grouped = build_at_revision(rev, "cpu_gemm_grouped.cpp", selected_isa())
+    per_channel = build_at_revision(rev, "cpu_gemm_int8.cpp", selected_isa())
+    int4_ops = {f"int4@{rev}": grouped.packed_linear_int4.default, f"w4a8@{rev}": grouped.packed_linear_w4a8.default}
+    return int4_ops, {f"int8@{rev}": per_channel.packed_linear_int8.default}
 
 
-def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4]) -> dict[str, tuple[Call, int]]:
-    """Each format's call for weight ``w`` and the bytes it reads (``extra_int4``: more int4
-    kernels by name, on the same packed weights)."""
+def formats(
+    w: torch.Tensor,
+    group: int,
+    extra_int4: dict[str, int4.LinearInt4],
+    extra_int8: dict[str, Callable[..., torch.Tensor]],
+) -> dict[str, tuple[Call, int]]:
+    """Each format's call for weight ``w`` and the bytes it reads (``extra_int4`` / ``extra_int8``:
+    more int4 / per-channel int8 kernels by name, on the same packed weights)."""
     fp32_op, int8_op, int4_op = load_cpu_gemm(), int8.load_int8_gemm(), int4.load_int4_gemm()
     w4a8_op = int4.load_w4a8_gemm()
     if fp32_op is None or int8_op is None or int4_op is None or w4a8_op is None:
@@ -79,15 +87,20 @@ def formats(w: torch.Tensor, group: int, extra_int4: dict[str, int4.LinearInt4])
         "int4/f32": int4_call(int4_op, "f32"),
         "w4a8/f32": int4_call(w4a8_op, "f32"),
         **{name: int4_call(op, "f32") for name, op in extra_int4.items()},
+        **{name: ((lambda x, op=op: op(x, q8, s8, None)), q8.nbytes + s8.nbytes) for name, op in extra_int8.items()},
     }
 
 
 def build(
-    layers: int, group: int, seed: int, extra_int4: dict[str, int4.LinearInt4]
+    layers: int,
+    group: int,
+    seed: int,
+    extra_int4: dict[str, int4.LinearInt4],
+    extra_int8: dict[str, Callable[..., torch.Tensor]],
 ) -> list[tuple[int, dict[str, tuple[Call, int]]]]:
     gen = torch.Generator().manual_seed(seed)
     return [
-        (k, formats(torch.randn(n, k, generator=gen) * 0.02, group, extra_int4))
+        (k, formats(torch.randn(n, k, generator=gen) * 0.02, group, extra_int4, extra_int8))
         for _ in range(layers)
         for n, k in SHAPES.values()
     ]
@@ -124,13 +137,13 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", type=float, default=0.1, help="start each rep once others use under this CPU share")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--baseline", metavar="REV", help="also time the int4 and w4a8 kernels of this git revision")
+    p.add_argument("--baseline", metavar="REV", help="also time the int4, w4a8 and int8 kernels of this git revision")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    extra = baseline_int4(args.baseline) if args.baseline else {}
+    extra_int4, extra_int8 = baseline_ops(args.baseline) if args.baseline else ({}, {})
     limits = measure_limits(copy_mib=256)
-    calls = build(args.layers, args.group, args.seed, extra)
+    calls = build(args.layers, args.group, args.seed, extra_int4, extra_int8)
     nbytes = {m: sum(by_format[m][1] for _, by_format in calls) for m in ("fp32", "int8", "int4")}
     floor_s = nbytes["int4"] / (limits.read_gbps * 1e9)
     print(
