@@ -55,14 +55,15 @@ constexpr int64_t kXBlockBytes = 384 * 1024;
 // Least weight bytes worth waking a second thread for.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
 
-// One thread's panels [p0, p1) for all m rows: rows(m0, mr, g, ge, f0, f1, streams) per row tile
+// One thread's panels [p0, p1) for all m rows: rows(m0, mr, g, ge, f0, f1, streams, first) per row tile
 // and panel group. Within an x block, a group of panels is the outer loop: its weights come from
 // memory once and from cache for every further row tile. So that the memory does not idle while
 // those tiles run from cache (and the next group's first tile does not wait on it), the row tiles
 // share out the next group's panels to prefetch as they go: [f0, f1), at most 2 panels (a block
 // has at least 2 row tiles when it prefetches), empty for the rest. A block of one row tile
 // (streams: every decode batch of at most kMaxRows rows) reads each weight once, straight from
-// memory; row_tiles then prefetches ahead within the thread's own panels instead.
+// memory; row_tiles then prefetches ahead within the thread's own panels instead. first: the
+// block's first row tile, the one that reads the group from memory.
 template <class F>
 void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
   const int64_t block = std::max(kMaxRows, kXBlockBytes / (k * 4) / kMaxRows * kMaxRows);
@@ -75,7 +76,7 @@ void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
       const int64_t next_end = std::min(p1, next + kGroup), share = (next_end - next + tiles - 1) / tiles;
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = mb + t * kMaxRows, f0 = std::min(next_end, next + t * share);
-        rows(m0, std::min(kMaxRows, me - m0), g, ge, f0, std::min(next_end, f0 + share), tiles == 1);
+        rows(m0, std::min(kMaxRows, me - m0), g, ge, f0, std::min(next_end, f0 + share), tiles == 1, t == 0);
       }
     }
   }
@@ -161,11 +162,13 @@ inline void tile(const Problem<T>& pr, int64_t m0, int64_t p0, const T* w, int64
 // sequential streams. In the fp32 layout each tile prefetches the panels one tile ahead, up to
 // the thread's last panel p1 (they follow in memory; avx2 build on Zen 4, a decode step's
 // linears: 1.16x at 3 rows, 1.42-1.47x at 4-6). In the int8 layout every tile of a group reads
-// the group's lines, the first from memory and the rest from cache; the second tile prefetches
-// the next group (1.17-1.33x at 2-6 rows). A tile as wide as the group (AVX-512, and every
-// 1-row tile) reads 4 panels side by side and gains nothing from it.
+// the group's lines, the first from memory and the rest from cache; in the block's first row
+// tile (first) the second tile prefetches the next group (1.11-1.27x at 2-6 rows, 1.13-1.20x at
+// 8-12, level to 1.10x at 16). A tile as wide as the group (AVX-512, and every 1-row tile)
+// reads 4 panels side by side and gains nothing from it.
 template <int MR, class T>
-void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t f0, int64_t f1, bool streams, int64_t p1) {
+void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t f0, int64_t f1, bool streams, bool first,
+               int64_t p1) {
   constexpr int kNr = max_panels(MR);
   const int64_t width = ge - g, tiles = (width + kNr - 1) / kNr, nr = (width + tiles - 1) / tiles;
   const int64_t panel = pr.k * kLanes;
@@ -180,7 +183,7 @@ void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t 
     if (streams && tiles > 1 && !pr.interleaved) {  // the panels one tile ahead (nr <= 2 here)
       const int64_t q0 = std::min(p1, g + j + cols), q1 = std::min(p1, q0 + cols);
       if (q1 > q0) pf = pr.p + q0 * panel, pf2 = pr.p + (q1 - 1) * panel;
-    } else if (streams && tiles > 1) {  // int8: the next group, if full (its k stride is this one's)
+    } else if (first && tiles > 1 && pr.interleaved) {  // int8: the next group, if full (its k stride is this one's)
       if (j == nr && width == kGroup && ge + kGroup <= p1) pf = pf2 = pr.p + ge * panel;
     } else if (!pr.interleaved) {  // this tile's share of the next group, panel by panel
       const int64_t q0 = std::min(f1, f0 + j / nr * share), q1 = std::min(f1, q0 + share);
@@ -201,9 +204,10 @@ void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t 
 // vector is loaded once per row tile.
 template <class T>
 void run_panels(const Problem<T>& pr, int64_t m, int64_t p0, int64_t p1) {
-  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge, int64_t f0, int64_t f1, bool streams) {
+  for_each_tile(m, pr.k, p0, p1, [&](int64_t m0, int64_t mr, int64_t g, int64_t ge, int64_t f0, int64_t f1, bool streams,
+                                     bool first) {
     dispatch<static_cast<int>(kMaxRows)>(mr, [&](auto rows) {
-      row_tiles<decltype(rows)::value>(pr, m0, g, ge, f0, f1, streams, p1);
+      row_tiles<decltype(rows)::value>(pr, m0, g, ge, f0, f1, streams, first, p1);
     });
   });
 }

@@ -15,9 +15,8 @@
 // streamed 1.45x slower on one Zen 4 core: 13 vs 19 GB/s). The tensor keeps the shape
 // [N / 16, K, 16] (same bytes) so shapes check as for fp32; threads split whole groups. A tile
 // may cover part of a group (AVX2 and NEON tiles are 1-4 panels wide): it reads its panels' 16
-// bytes of each line, and the group's first tile brings the lines from memory for the others. In
-// a decode batch of one row tile, the second tile of a group prefetches the next group
-// (row_tiles); blocks of several row tiles prefetch nothing (not measured).
+// bytes of each line, and the group's first tile brings the lines from memory for the others: in
+// a block's first row tile, the second tile of a group prefetches the next group (row_tiles).
 // The widening costs two extra vector ops per vector of weights: measured with the AVX-512 tile,
 // at one row the kernel was close to compute-bound (~24 GB/s per core from L2), and from ~16 rows on,
 // where fp32 is compute-bound too, int8 was no faster than fp32 (level at 256 rows): it buys
