@@ -201,8 +201,22 @@ def start_background_build(level: str | None = None) -> threading.Thread | None:
     return thread
 
 
+# cpu_ops' answers by what decides them: the kernel switch, the level asked for (else
+# PAGEDLLM_CPU_ISA) and the build root (TORCH_EXTENSIONS_DIR). Resolving them (the switch, the ISA level, the op
+# namespace) took 70-90 us of a batch-1 decode step on caches the weights had just swept
+# (SmolLM2 int4, Zen 4); the sampler and the fused ops ask every step.
+_OPS: dict[tuple[str, str, str], Any] = {}
+
+
 def cpu_ops(level: str | None = None) -> Any | None:
     """``torch.ops.pagedllm_<level>`` (every kernel of that build), or None without the library."""
+    key = (envs.get("PAGEDLLM_CPU_KERNELS"), level or envs.get("PAGEDLLM_CPU_ISA"), envs.get("TORCH_EXTENSIONS_DIR"))
+    if key not in _OPS:
+        _OPS[key] = _load_ops(level)
+    return _OPS[key]
+
+
+def _load_ops(level: str | None) -> Any | None:
     if not kernels_enabled():
         return None
     level = level or selected_isa()

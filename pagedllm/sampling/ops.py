@@ -12,27 +12,16 @@ from typing import Any
 
 import torch
 
-from pagedllm import envs
 from pagedllm.layers.cpu_kernels import cpu_fp32_kernels
 from pagedllm.sampling_params import SAMPLING_EPS
 
 _NEG_INF = float("-inf")
 
 
-# The kernels by the variables that select them (PAGEDLLM_CPU_KERNELS, PAGEDLLM_CPU_ISA): resolving
-# them (the switch, the ISA level, the op namespace) took 70-90 us of a batch-1 decode step, on
-# caches the weights had just swept (SmolLM2 int4, Zen 4), against a dict lookup here.
-_KERNELS_BY_ENV: dict[tuple[str, str], Any] = {}
-
-
 def _row_kernels(logits: torch.Tensor) -> Any | None:
     """The CPU kernels when ``logits`` are float32 CPU rows [N, V] they take (contiguous rows)."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu" or logits.dim() != 2 or logits.stride(-1) != 1:
-        return None
-    key = (envs.get("PAGEDLLM_CPU_KERNELS"), envs.get("PAGEDLLM_CPU_ISA"))
-    if key not in _KERNELS_BY_ENV:
-        _KERNELS_BY_ENV[key] = cpu_fp32_kernels(logits)
-    return _KERNELS_BY_ENV[key]
+    kernels = cpu_fp32_kernels(logits)
+    return kernels if kernels is not None and logits.dim() == 2 and logits.stride(-1) == 1 else None
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
