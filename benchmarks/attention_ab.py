@@ -1,6 +1,6 @@
 """Decode attention kernel of a git ref against the working tree's, timed interleaved in one process.
 
-    python -m benchmarks.attention_ab --base caa7533 [--rounds 7] [--threads 1 2]
+    python -m benchmarks.attention_ab --base caa7533 [--rounds 7] [--threads 1 2] [--dtype bfloat16]
 
 On a shared machine whose speed drifts by tens of percent from one minute to the next, two
 benchmark processes run minutes apart cannot tell a 20% kernel change from noise. This builds
@@ -8,7 +8,9 @@ benchmark processes run minutes apart cannot tell a 20% kernel change from noise
 libraries (``benchmarks.kernel_revision``), each registering its op under its own namespace, then
 alternates them call batch by call batch on the same inputs and reports medians. Shapes: SmolLM-135M's heads (9 query, 3 KV heads of 64), blocks of 16 in shuffled
 order, contexts from in-cache (40 tokens) to streaming from memory (512). Outputs of the two are
-checked equal within 1e-4. The ISA level is the build's (``--isa``, default avx2 on x86-64).
+checked equal within 1e-4 (within 2 units of the last place for ``--dtype bfloat16 / float16``:
+the query, caches and output in that type). The ISA level is the build's (``--isa``, default avx2
+on x86-64).
 """
 
 from __future__ import annotations
@@ -42,12 +44,12 @@ def _build(ref: str | None, isa: str) -> object:
     return ops.paged_decode_attention
 
 
-def _inputs(batch: int, ctx: int, generator: torch.Generator) -> tuple[torch.Tensor, ...]:
+def _inputs(batch: int, ctx: int, generator: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
     blocks = -(-ctx // 16)
     pool = 2 * batch * blocks + 1  # twice the blocks in use, in shuffled order; block 0 unused
     table = (torch.randperm(pool - 1, generator=generator)[: batch * blocks] + 1).view(batch, blocks)
-    cache = torch.randn(2, pool, 16, 3, 64, generator=generator)
-    q = torch.randn(batch, 9, 64, generator=generator)
+    cache = torch.randn(2, pool, 16, 3, 64, generator=generator).to(dtype)
+    q = torch.randn(batch, 9, 64, generator=generator).to(dtype)
     return q, cache[0], cache[1], table, torch.full((batch,), ctx)
 
 
@@ -64,22 +66,27 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7, help="alternations per shape (median)")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--isa", default="avx2", help="kernel level to build both with (default avx2)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = p.parse_args()
+    dtype = getattr(torch, args.dtype)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 * torch.finfo(dtype).eps, "atol": 1e-5}
     ops = {"base": _build(args.base, args.isa), "new": _build(None, args.isa)}
     generator = torch.Generator().manual_seed(0)
-    print(f"decode attention, {args.base} (base) vs working tree (new), {args.isa} build; median of {args.rounds}")
+    print(
+        f"decode attention, {args.base} (base) vs working tree (new), {args.isa} build, {args.dtype}; median of {args.rounds}"
+    )
     print("threads  seqs  context   base us    new us  new speed")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch, ctx in SHAPES:
-            q, *rest = _inputs(batch, ctx, generator)
+            q, *rest = _inputs(batch, ctx, generator, dtype)
             outs = {k: torch.empty_like(q) for k in ops}
             calls = max(3, 20_000 // (batch * ctx))
             times: dict[str, list[float]] = {k: [] for k in ops}
             for _ in range(args.rounds):
                 for k, op in ops.items():
                     times[k].append(_time(op, outs[k], (q, *rest), calls))
-            torch.testing.assert_close(outs["new"], outs["base"], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(outs["new"], outs["base"], **tol)
             base, new = (statistics.median(times[k]) for k in ("base", "new"))
             print(f"{threads:7d} {batch:5d} {ctx:8d} {base * 1e6:9.1f} {new * 1e6:9.1f} {base / new:9.2f}x")
 

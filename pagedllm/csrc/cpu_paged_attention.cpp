@@ -5,6 +5,8 @@
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -22,6 +24,15 @@ using namespace pagedllm_vec;
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
+// The cache types the vector path reads, each K/V vector widened to float32 as it is loaded:
+// bfloat16 by a shift, float16 by the ISA's conversion (F16C, AVX-512, NEON fcvtl).
+template <typename T>
+constexpr bool kVectorCache =
+    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+inline Vec load_kv(const float* p) { return load(p); }
+inline Vec load_kv(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline Vec load_kv(const c10::Half* p) { return load_f16(reinterpret_cast<const uint16_t*>(p)); }
+
 // Per-thread scratch, reused across the (sequence, KV head) tasks a thread runs.
 struct Scratch {
   std::vector<float> q, scores, acc;
@@ -34,17 +45,17 @@ struct Scratch {
 // registers (8 accumulators + 2 operands of AVX2's 16).
 constexpr int kKeys = 8, kOutVecs = 8;
 
-// Vector path (float32, dim a multiple of kWidth). Scores of one query row q (pre-scaled)
-// against the P keys at k[p] + off: P sums side by side, one q load serving P key loads.
-template <int P>
-inline void dot_keys(const float* q, const float* const* k, int64_t off, int64_t dim, float* out) {
+// Vector path (a kVectorCache type, dim a multiple of kWidth). Scores of one query row q (float32,
+// pre-scaled) against the P keys at k[p] + off: P sums side by side, one q load serving P key loads.
+template <int P, typename T>
+inline void dot_keys(const float* q, const T* const* k, int64_t off, int64_t dim, float* out) {
   Vec acc[P];
 #pragma GCC unroll 8
   for (int p = 0; p < P; ++p) acc[p] = zero();
   for (int64_t d = 0; d < dim; d += kWidth) {
     const Vec qv = load(q + d);
 #pragma GCC unroll 8
-    for (int p = 0; p < P; ++p) acc[p] = fmadd(qv, load(k[p] + off + d), acc[p]);
+    for (int p = 0; p < P; ++p) acc[p] = fmadd(qv, load_kv(k[p] + off + d), acc[p]);
   }
   if constexpr (P == 8) {
     reduce_add_8(acc, out);  // a full tile's 8 sums at once
@@ -55,23 +66,23 @@ inline void dot_keys(const float* q, const float* const* k, int64_t off, int64_t
 }
 
 // out[0, V * kWidth) = sum_i probs[i] * v[rows[i]][0, V * kWidth): V accumulators in registers
-// across all n positions, stored once.
-template <int V>
-inline void weighted_sum(const float* probs, const float* v, const int64_t* rows, int64_t n, float* out) {
+// across all n positions, stored once (float32).
+template <int V, typename T>
+inline void weighted_sum(const float* probs, const T* v, const int64_t* rows, int64_t n, float* out) {
   Vec acc[V];
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) acc[j] = zero();
   for (int64_t i = 0; i < n; ++i) {
     const Vec p = broadcast(probs[i]);
-    const float* vi = v + rows[i];
+    const T* vi = v + rows[i];
 #pragma GCC unroll 8
-    for (int j = 0; j < V; ++j) acc[j] = fmadd(p, load(vi + j * kWidth), acc[j]);
+    for (int j = 0; j < V; ++j) acc[j] = fmadd(p, load_kv(vi + j * kWidth), acc[j]);
   }
 #pragma GCC unroll 8
   for (int j = 0; j < V; ++j) store(out + j * kWidth, acc[j]);
 }
 
-// Generic path (16-bit types, or dim not a multiple of kWidth): scalar sums.
+// Generic path (float64, or dim not a multiple of kWidth): scalar sums.
 template <typename T>
 inline float dot_scalar(const float* q, const T* k, int64_t dim) {
   float s = 0.f;
@@ -111,11 +122,12 @@ inline void softmax(float* s, int64_t n) {
 
 // Pass 1 on the vector path: scores[r * n + i] for every query row r against every visible key,
 // in tiles of kKeys positions (their K rows stay in L1 while all the rows use them).
-inline void scores_vec(const float* qf, const float* kc, const int64_t* rows, int64_t n, int64_t nh,
-                       int64_t group, int64_t dim, float* scores) {
+template <typename T>
+inline void scores_vec(const float* qf, const T* kc, const int64_t* rows, int64_t n, int64_t nh, int64_t group,
+                       int64_t dim, float* scores) {
   for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
     const int64_t np = std::min<int64_t>(kKeys, n - i0);
-    const float* k[kKeys];
+    const T* k[kKeys];
     for (int64_t p = 0; p < np; ++p) k[p] = kc + rows[i0 + p];
     for (int64_t r = 0; r < nh * group; ++r) {
       const int64_t off = (r / group) * dim;
@@ -126,11 +138,12 @@ inline void scores_vec(const float* qf, const float* kc, const int64_t* rows, in
   }
 }
 
-// Pass 2 on the vector path: out row r = sum_i p_ri v_i, in column tiles of kOutVecs vectors.
-inline void values_vec(const float* scores, const float* vc, const int64_t* rows, int64_t n, int64_t nh,
-                       int64_t group, int64_t dim, float* out) {
+// Pass 2 on the vector path: out row r = sum_i p_ri v_i (float32), in column tiles of kOutVecs vectors.
+template <typename T>
+inline void values_vec(const float* scores, const T* vc, const int64_t* rows, int64_t n, int64_t nh, int64_t group,
+                       int64_t dim, float* out) {
   for (int64_t r = 0; r < nh * group; ++r) {
-    const float* v = vc + (r / group) * dim;
+    const T* v = vc + (r / group) * dim;
     for (int64_t d = 0; d < dim; d += kOutVecs * kWidth) {
       dispatch<kOutVecs>((dim - d) / kWidth, [&](auto vecs) {
         weighted_sum<decltype(vecs)::value>(scores + r * n, v + d, rows, n, out + r * dim + d);
@@ -162,11 +175,17 @@ void decode_seq(const T* q, T* out, const T* kc, const T* vc, const int64_t* tab
     const int64_t base = table[b] * kv_stride_block - b * block_size * kv_stride_tok;
     for (; pos < end; ++pos) offs[pos - start] = base + pos * kv_stride_tok;
   }
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (kVectorCache<T>) {
     if (dim % kWidth == 0) {
       scores_vec(qf, kc, offs, n, nh, group, dim, scores);
       for (int64_t r = 0; r < rows; ++r) softmax(scores + r * n, n);
-      values_vec(scores, vc, offs, n, nh, group, dim, out);
+      if constexpr (std::is_same_v<T, float>) {
+        values_vec(scores, vc, offs, n, nh, group, dim, out);
+      } else {  // summed in float32, rounded once
+        buf.acc.resize(rows * dim);
+        values_vec(scores, vc, offs, n, nh, group, dim, buf.acc.data());
+        for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<T>(buf.acc[i]);
+      }
       return;
     }
   }

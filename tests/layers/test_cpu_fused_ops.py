@@ -116,3 +116,31 @@ def test_decode_attention_matches_sdpa_on_long_contexts(kernels, dim, window):
             enable_gqa=True,
         )[:, 0]
         torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+
+
+# 64: whole vectors on every level; 40: the scalar path on avx512, 5 vectors on avx2.
+@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_on_16_bit_caches(kernels, dim, dtype):
+    """bfloat16 / float16 models: K and V widened to float32 as they are loaded, sums in float32,
+    the output rounded once. Against SDPA in float32 on the same (exactly widened) values."""
+    torch.manual_seed(1)
+    heads, kv_heads, block = 9, 3, 16
+    lens = torch.tensor([1, 40, 300])
+    blocks_each = -(-lens.max().item() // block)
+    order = torch.randperm(len(lens) * blocks_each) + 1
+    table = order.view(len(lens), blocks_each)
+    cache = torch.randn(2, len(order) + 1, block, kv_heads, dim).to(dtype)
+    q = torch.randn(len(lens), heads, dim).to(dtype)
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, cache[0], cache[1], table, lens, dim**-0.5, 0)
+    assert out.dtype == dtype
+    for b, n in enumerate(lens.tolist()):
+        keys = cache[0][table[b]].reshape(-1, kv_heads, dim)[:n].float()
+        values = cache[1][table[b]].reshape(-1, kv_heads, dim)[:n].float()
+        ref = F.scaled_dot_product_attention(
+            q[b, :, None].float(), keys.transpose(0, 1), values.transpose(0, 1), scale=dim**-0.5, enable_gqa=True
+        )[:, 0]
+        # The output's own rounding (2^-8 relative for bfloat16, 2^-11 for float16) and a little more.
+        eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
+        torch.testing.assert_close(out[b].float(), ref, rtol=2 * eps, atol=1e-3 * eps)
