@@ -119,6 +119,15 @@ def test_latency(capsys, tmp_path, model_dir):
         assert 0 <= r["engine_overhead"] < 1
 
 
+def test_latency_decode_batch_whose_prompts_prefill_over_several_steps(capsys, tmp_path, model_dir):
+    """The first requests decode while the later prompts still prefill (8 x 48 tokens in steps of
+    ~80): their max_tokens count those steps, so none finishes before the timed steps end."""
+    args = latency_args(model_dir, "8", prefill_len="16")
+    report = run_bench(capsys, tmp_path, *args, "--decode-prompt-len", "48", "--max-num-batched-tokens", "64")
+    decode = [r for r in report["results"] if r["figure"] == "decode"]
+    assert [(r["batch"], r["tokens"]) for r in decode] == [(8, 8)] and decode[0]["seconds"] > 0
+
+
 def test_latency_rounds_report_the_median_round(capsys, tmp_path, model_dir):
     report = run_bench(capsys, tmp_path, *latency_args(model_dir, "2", prefill_len="16"), "--rounds", "3")
     assert [(r["figure"], r["batch"]) for r in report["results"]] == [("prefill", 1), ("decode", 2)]

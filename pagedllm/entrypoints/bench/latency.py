@@ -87,11 +87,19 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- pagedllm
+def _decode_tokens(args: argparse.Namespace, batch: int) -> int:
+    """max_tokens of a decode request: the warm-up and timed steps, plus the steps that the batch's
+    later prompts take to prefill (in chunks of at least the default 2048-token budget), during
+    which the first requests already decode; none may finish before the timing ends."""
+    prefill_steps = -(-batch * args.decode_prompt_len // (args.max_num_batched_tokens or 2048)) + 1
+    return args.warmup_steps + args.decode_steps + 4 + prefill_steps
+
+
 def _make_engine(args: argparse.Namespace, model: common.BenchModel, cost: machine.ModelCost) -> Any:
     from pagedllm.config import EngineArgs
     from pagedllm.engine.llm_engine import LLMEngine
 
-    decode_ctx = args.decode_prompt_len + args.warmup_steps + args.decode_steps + 8
+    decode_ctx = args.decode_prompt_len + _decode_tokens(args, max(args.batch_sizes)) + 4
     max_len = max(args.prefill_len, decode_ctx) + 16
     tokens = max(args.prefill_len, max(args.batch_sizes) * decode_ctx) + 64 * 16
     overrides: dict[str, Any] = dict(
@@ -134,7 +142,7 @@ def measure_decode(
     rng: random.Random,
     vocab: int,
 ) -> Measurement:
-    total = args.warmup_steps + args.decode_steps + 4
+    total = _decode_tokens(args, batch)
     ids = [_add(engine, rng, vocab, args.decode_prompt_len, total, args.temperature) for _ in range(batch)]
     step_until_first_tokens(engine, ids)
     for _ in range(args.warmup_steps):
