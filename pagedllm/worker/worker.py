@@ -72,6 +72,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     each storage counted once (tied embeddings share one)."""
     storages = {}
     for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.is_mkldnn:  # oneDNN's prepacked weights (no storage to read): their elements
+            storages[id(tensor)] = tensor.numel() * tensor.element_size()
+            continue
         storage = tensor.untyped_storage()
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())

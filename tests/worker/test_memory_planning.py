@@ -173,6 +173,30 @@ def test_weight_bytes_counts_each_storage_once():
     assert weight_bytes(model) == 100 * 8 * 4 + 2 * 8 * 4 + 10 * 2
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+def test_weight_bytes_counts_onednn_prepacked_weights(llama_model_dir, monkeypatch):
+    """Without the packed kernel (PAGEDLLM_CPU_GEMM=0, or a failed build) float32 linears hold
+    oneDNN's prepacked weights, opaque tensors with no storage: counted by their elements, and
+    the engine starts and decodes."""
+    from pagedllm import LLM, SamplingParams
+    from pagedllm.layers import cpu_gemm_kernels
+    from pagedllm.worker.worker import weight_bytes
+
+    model = torch.nn.Module()
+    model.weight = torch.nn.Parameter(torch.randn(32, 8).to_mkldnn(), requires_grad=False)
+    assert weight_bytes(model) == 32 * 8 * 4
+    monkeypatch.setenv("PAGEDLLM_CPU_GEMM", "0")
+    cpu_gemm_kernels.load_cpu_gemm.cache_clear()
+    cpu_gemm_kernels.load_cpu_gemm_16.cache_clear()
+    try:
+        llm = LLM(str(llama_model_dir), max_model_len=64)
+        out = llm.generate(["hello"], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        cpu_gemm_kernels.load_cpu_gemm.cache_clear()
+        cpu_gemm_kernels.load_cpu_gemm_16.cache_clear()
+
+
 def test_cpu_start_up_logs_the_memory_plan(llama_model_dir, caplog):
     """The CPU start-up log gives the weights' bytes, the estimated activation peak and the KV
     pool (the engine's capacity line then gives blocks, tokens and sequences)."""
