@@ -29,6 +29,15 @@ _LEVEL_FLAGS = {"avx512": _X86_V4, "avx2": _X86_V3}
 _DOT_EXTENSION = {"avx512": ("avx512_vnni", "vnni"), "avx2": ("avx_vnni", "vnni"), "neon": ("asimddp", "dotprod")}
 
 
+# /proc/cpuinfo flags of 16-bit float dot products or arithmetic, by dtype (x86 AVX512-BF16 /
+# AMX-BF16 and AVX512-FP16 / AMX-FP16; Arm BF16 and FP16): where oneDNN's own bfloat16 / float16
+# GEMMs run natively. Without them torch computes 16-bit matmuls through conversions.
+_NATIVE_16_BIT_FLAGS = {
+    "bfloat16": frozenset({"avx512_bf16", "amx_bf16", "bf16"}),
+    "float16": frozenset({"avx512_fp16", "amx_fp16", "asimdhp"}),
+}
+
+
 def _cpuinfo_field(*names: str) -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -50,6 +59,11 @@ def cpu_model() -> str:
 def cpu_features() -> frozenset[str]:
     """Feature flags (x86 ``flags``, Arm ``Features``); empty where /proc/cpuinfo is missing."""
     return frozenset(_cpuinfo_field("flags", "Features").split())
+
+
+def native_16_bit(dtype: str) -> bool:
+    """Whether this CPU computes ``dtype`` ("bfloat16" / "float16") natively (see _NATIVE_16_BIT_FLAGS)."""
+    return bool(cpu_features() & _NATIVE_16_BIT_FLAGS[dtype])
 
 
 def machine() -> str:

@@ -60,24 +60,6 @@ def test_dtype(llama_model_dir, dtype, resolved):
     assert _config(llama_model_dir, dtype=dtype).model_config.dtype == resolved
 
 
-@pytest.mark.parametrize(
-    "flags, warns",
-    [({"avx2", "avx512f"}, True), ({"avx2", "avx512f", "avx512_fp16"}, False), ({"asimd", "asimdhp"}, False)],
-)
-def test_float16_on_a_cpu_without_float16_arithmetic_warns(llama_model_dir, monkeypatch, caplog, flags, warns):
-    """torch's float16 matmuls go through conversions on such CPUs (tens of times bfloat16's time):
-    the dtype stays as asked, and the log says what is faster."""
-    from pagedllm import cpu_info
-
-    monkeypatch.setattr(cpu_info, "cpu_features", lambda: frozenset(flags))
-    with caplog.at_level("WARNING", logger="pagedllm.config.model"):
-        assert _config(llama_model_dir, dtype="float16").model_config.dtype == "float16"
-        assert _config(llama_model_dir, dtype="bfloat16").model_config.dtype == "bfloat16"
-    warned = [r.getMessage() for r in caplog.records if "float16 on this CPU" in r.getMessage()]
-    assert len(warned) == (1 if warns else 0)
-    assert not warns or "--dtype bfloat16 or float32" in warned[0]
-
-
 def test_max_model_len_above_max_position_embeddings(llama_model_dir):
     assert _config(llama_model_dir, max_model_len=512).model_config.max_model_len == 512
     with pytest.raises(ValueError, match=r"max_model_len=513.*max_position_embeddings=512"):

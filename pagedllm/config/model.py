@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedllm import cpu_info
 from pagedllm.config.choices import (
     CHECKPOINT_QUANT_METHODS,
     CPU_ONLY_QUANTIZATION,
@@ -22,8 +20,6 @@ from pagedllm.config.options import check_choice, check_positive, option
 from pagedllm.config.pooler import PoolerConfig
 from pagedllm.gguf_config import is_gguf_file
 from pagedllm.model_arch import SUPPORTED_ARCHITECTURES, ModelArchConfig
-
-logger = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "pagedllm-demo"  # what the entrypoints serve when no model is given
 
@@ -179,20 +175,9 @@ def check_architecture(arch: ModelArchConfig, what: str = "architecture") -> Non
         )
 
 
-# /proc/cpuinfo flags of float16 vector arithmetic (x86 AVX512-FP16 / AMX-FP16, Arm FP16); without
-# them torch computes float16 matmuls through conversions (SmolLM2-135M on Zen 4: 46x the time of
-# bfloat16 for 8 x 64 tokens).
-CPU_FP16_FLAGS = frozenset({"avx512_fp16", "amx_fp16", "asimdhp"})
-
-
 def resolve_dtype(dtype: str, arch: ModelArchConfig, device: str) -> str:
     dtype = canonical_dtype(dtype)
     check_choice("dtype", dtype, DTYPES)
-    if dtype == "float16" and device == "cpu" and not cpu_info.cpu_features() & CPU_FP16_FLAGS:
-        logger.warning(
-            "float16 on this CPU (no AVX512-FP16 / AMX-FP16 / Arm FP16 arithmetic): torch's float16 matmuls "
-            "run tens of times slower than bfloat16 or float32 here; --dtype bfloat16 or float32 is faster"
-        )
     if dtype != "auto":
         return dtype
     if device == "cpu":

@@ -6,6 +6,8 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -84,6 +86,9 @@ void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
 
 inline Vec load_weights(const float* p) { return load(p); }
 inline Vec load_weights(const int8_t* p) { return load_i8(p); }  // exact: |q| <= 127
+// 16-bit float weights widen exactly: bfloat16 by a shift, float16 by the ISA's conversion.
+inline Vec load_weights(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
+inline Vec load_weights(const c10::Half* p) { return load_f16(reinterpret_cast<const uint16_t*>(p)); }
 
 // y = x W^T * scale + bias on packed weights of type T. Panel p starts at p * K * 16 elements;
 // within a group of panels a k step is 16 elements of one panel (fp32: panel after panel) or of

@@ -37,12 +37,25 @@ def load_cpu_gemm() -> PackedLinear | None:
     return None if ops is None else ops.packed_linear.default
 
 
-def packable(w: torch.Tensor) -> bool:
-    """Whether ``w`` [out, in] fits the packed panel layouts (fp32 and int8): a plain CPU float32
-    matrix with out % 16 == 0, so the packed shape keeps ``out``."""
+@lru_cache(maxsize=1)
+def load_cpu_gemm_16() -> PackedLinear | None:
+    """``packed_linear_16(x, packed, bias)`` (bfloat16 / float16 panels, result in x's dtype), or
+    None as for ``load_cpu_gemm``."""
+    ops = cpu_ops() if kernels_enabled("PAGEDLLM_CPU_GEMM") else None
+    return None if ops is None else ops.packed_linear_16.default
+
+
+# Weight dtypes of the 16-bit packed layout (``packed_linear_16``).
+PACKED_16_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def packable(w: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether ``w`` [out, in] fits the packed panel layouts (fp32 and int8; 16-bit with
+    ``dtypes=PACKED_16_DTYPES``): a plain CPU matrix of one of ``dtypes`` with out % 16 == 0, so
+    the packed shape keeps ``out``."""
     return (
         w.device.type == "cpu"
-        and w.dtype == torch.float32
+        and w.dtype in dtypes
         and w.dim() == 2
         and w.layout == torch.strided
         and w.shape[0] % PANEL == 0
@@ -54,8 +67,15 @@ def can_pack(w: torch.Tensor) -> bool:
     return packable(w) and load_cpu_gemm() is not None
 
 
+def can_pack_16(w: torch.Tensor) -> bool:
+    """Whether ``w`` takes the 16-bit packed layout: a bfloat16 / float16 ``packable`` matrix and
+    the kernel built."""
+    return packable(w, PACKED_16_DTYPES) and load_cpu_gemm_16() is not None
+
+
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
-    """W [N, K] -> P [N / 16, K, 16] with P[p, k, j] = W[16 p + j, k]: the kernel's layout."""
+    """W [N, K] -> P [N / 16, K, 16] with P[p, k, j] = W[16 p + j, k]: the kernel's layout (in W's
+    dtype: float32, or bfloat16 / float16 for ``packed_linear_16``)."""
     n, k = w.shape
     return w.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 

@@ -11,6 +11,7 @@ import torch.utils.cpp_extension
 from pagedllm.layers import cpu_gemm_kernels as kernels
 from pagedllm.layers import cpu_kernels
 from pagedllm.layers.linear import ColumnParallelLinear
+from pagedllm.layers.quantization import unquantized
 from pagedllm.layers.quantization.unquantized import PACKED, choose_layout
 
 # Row counts cover every tile height (1-6), several tiles, and the x-block split (K=1536 -> 60 rows).
@@ -54,6 +55,26 @@ def test_every_isa_matches_f_linear(isa_ops, rows, n, k):
     _check(isa_ops.packed_linear.default, rows, n, k, with_bias=True)
 
 
+# 16-bit weights (--dtype bfloat16 / float16) in the same panels: one row, the tallest tile, a
+# tile plus one row, and three x blocks at K=1535.
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k", [(96, 63), (80, 1535)])
+@pytest.mark.parametrize("rows", [1, 6, 7, 130])
+def test_every_isa_16_bit_weights(isa_ops, rows, n, k, dtype):
+    """Widened exactly and summed in float32: against the float32 product of the same values,
+    rounded once to the input's dtype (or kept float32 for a float32 input)."""
+    torch.manual_seed(rows + n + k)
+    w, x, b = torch.randn(n, k).to(dtype), torch.randn(rows, k).to(dtype), torch.randn(n).to(dtype)
+    exact = x.float() @ w.float().T + b.float()
+    y = isa_ops.packed_linear_16.default(x, kernels.pack_weight(w), b)
+    assert y.dtype == dtype
+    # One rounding to dtype; near zero, the float32 sums' own error (K up to 1535 terms) shows.
+    torch.testing.assert_close(y.float(), exact.to(dtype).float(), rtol=torch.finfo(dtype).eps, atol=1e-4)
+    y32 = isa_ops.packed_linear_16.default(x.float(), kernels.pack_weight(w), None)
+    assert y32.dtype == torch.float32
+    torch.testing.assert_close(y32, exact - b.float(), rtol=1e-5, atol=1e-4)
+
+
 def test_smollm_shapes_across_threads(native):
     # Real sizes: many panels split over the threads, K=576 and 1536.
     for n, k in [(960, 576), (576, 1536), (3072, 576)]:
@@ -95,6 +116,11 @@ def test_bad_inputs_are_errors(native):
         native(torch.randn(2, 9), packed, None)
     with pytest.raises(RuntimeError, match="bias"):
         native(torch.randn(2, 8), packed, torch.randn(15))
+    native_16 = kernels.load_cpu_gemm_16()
+    with pytest.raises(RuntimeError, match="bfloat16 or float16"):
+        native_16(torch.randn(2, 8), packed, None)
+    with pytest.raises(RuntimeError, match="features"):
+        native_16(torch.randn(2, 9), packed.bfloat16(), None)
 
 
 def processed_layer(w: torch.Tensor) -> ColumnParallelLinear:
@@ -114,6 +140,26 @@ def test_linear_layer_uses_the_packed_layout(native):
     assert layer.weight.shape == (6, 64, 16) and layer.quant_method.layout is PACKED
     x = torch.randn(3, 64)
     torch.testing.assert_close(layer(x), F.linear(x, dense, layer.bias), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("native_16_bit", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_layers_use_the_16_bit_panels(native, monkeypatch, dtype, native_16_bit):
+    """A bfloat16 / float16 model's linears keep their dtype in the packed panels; where the CPU
+    has native dot products of the dtype, batches from NATIVE_16_BIT_ROWS rows run oneDNN on a
+    copy unpacked for the call."""
+    monkeypatch.setattr(unquantized.cpu_info, "native_16_bit", lambda name: native_16_bit)
+    w, b = torch.randn(48, 40).to(dtype), torch.randn(48).to(dtype)
+    layer = ColumnParallelLinear(40, 48, bias=True)  # then holding what a 16-bit model loads
+    layer.weight, layer.bias = (torch.nn.Parameter(t.clone(), requires_grad=False) for t in (w, b))
+    layer.quant_method.process_weights_after_loading(layer)
+    expected = unquantized.PACKED_16_SPLIT if native_16_bit else unquantized.PACKED_16
+    assert layer.quant_method.layout is expected and layer.weight.shape == (3, 40, 16) and layer.weight.dtype == dtype
+    for rows in (1, unquantized.NATIVE_16_BIT_ROWS + 3):
+        x = torch.randn(rows, 40).to(dtype)
+        y = layer(x)
+        assert y.dtype == dtype
+        torch.testing.assert_close(y.float(), (x.float() @ w.float().T + b.float()), rtol=2**-6, atol=2**-6)
 
 
 def test_odd_out_features_keep_the_old_layout(native):

@@ -10,7 +10,15 @@ SmolLM-135M weights streamed, ``benchmarks/cpu_gemv.py``, 2-core AMD Zen 4):
    (``PAGEDLLM_CPU_KERNELS=0`` / ``PAGEDLLM_CPU_GEMM=0`` turn it off).
 2. ``ONEDNN``: oneDNN's prepacked weight (1.6x faster than ``F.linear`` at 1 row, 1.9x at 16,
    1.35x at 64); float32 with oneDNN available, unless ``PAGEDLLM_ONEDNN=0``.
-3. ``COLUMN_MAJOR``: W^T contiguous, which streams sequentially in a plain row-major GEMM (1.3x
+3. ``PACKED_16``: a bfloat16 / float16 model's weights (``--dtype``) in the same panels, in their
+   own dtype, widened to float32 in registers (``packed_linear_16``): half the bytes a decode step
+   reads. Where the CPU has no native dot products of the dtype, torch computes 16-bit matmuls
+   through conversions: with oneDNN held to AVX2, SmolLM's bfloat16 linears took 3.2-5.1x the
+   packed kernel's time from 8 to 512 rows (level at one row), float16 4.7-5.0x on Zen 4 (no FP16).
+   Where it has them (AVX512-BF16, AMX, AVX512-FP16, Arm BF16 / FP16), ``PACKED_16_SPLIT``: the
+   packed kernel below ``NATIVE_16_BIT_ROWS`` rows (2x oneDNN at one row, 1.4x at 16), oneDNN on
+   a copy unpacked for the call from there (prefill at 0.9x oneDNN on the plain weight).
+4. ``COLUMN_MAJOR``: W^T contiguous, which streams sequentially in a plain row-major GEMM (1.3x
    at 1 row).
 
 Elsewhere (CUDA) the weight stays as loaded and ``F.linear`` runs (``PLAIN``). The conversion
@@ -28,8 +36,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import envs
-from pagedllm.layers.cpu_gemm_kernels import can_pack, load_cpu_gemm, pack_weight
+from pagedllm import cpu_info, envs
+from pagedllm.layers.cpu_gemm_kernels import (
+    can_pack,
+    can_pack_16,
+    load_cpu_gemm,
+    load_cpu_gemm_16,
+    pack_weight,
+    unpack_weight,
+)
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, create_dense_weight
 
 LinearKernel = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
@@ -61,8 +76,34 @@ def _packed_kernel() -> LinearKernel:
     return kernel
 
 
+def _packed_16_kernel() -> LinearKernel:
+    kernel = load_cpu_gemm_16()
+    assert kernel is not None, "the 16-bit packed layout is chosen only when the kernel built"
+    return kernel
+
+
+# Rows from which a CPU with native 16-bit dot products runs a layer faster through oneDNN's own
+# GEMM on a plain copy of the weight, unpacked for the call (Zen 4, AVX512-BF16, SmolLM's 24
+# linears: 64 rows 14.9 ms unpacked vs 13.8 packed, 128 rows 21.7 vs 27.7, 512 rows 62.9 vs 109;
+# from 1 to 32 rows the packed kernel is 2.0-1.1x faster than oneDNN on the plain weight).
+NATIVE_16_BIT_ROWS = 96
+
+
+def _packed_16_split_kernel() -> LinearKernel:
+    packed = _packed_16_kernel()
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.numel() >= NATIVE_16_BIT_ROWS * x.shape[-1]:
+            return F.linear(x, unpack_weight(weight), bias)
+        return packed(x, weight, bias)
+
+    return linear
+
+
 PLAIN = WeightLayout("plain", lambda w: w, lambda: F.linear)
 PACKED = WeightLayout("packed", pack_weight, _packed_kernel)
+PACKED_16 = WeightLayout("packed_16", pack_weight, _packed_16_kernel)
+PACKED_16_SPLIT = WeightLayout("packed_16_split", pack_weight, _packed_16_split_kernel)
 ONEDNN = WeightLayout("onednn", _onednn_reorder, lambda: _onednn_linear)
 COLUMN_MAJOR = WeightLayout("column_major", lambda w: w.t().contiguous().t(), lambda: F.linear)
 
@@ -73,6 +114,8 @@ def choose_layout(w: torch.Tensor) -> WeightLayout:
         return PLAIN
     if can_pack(w):
         return PACKED
+    if can_pack_16(w):
+        return PACKED_16_SPLIT if cpu_info.native_16_bit(str(w.dtype).removeprefix("torch.")) else PACKED_16
     if w.dtype == torch.float32 and _onednn_enabled():
         return ONEDNN
     return COLUMN_MAJOR
