@@ -35,7 +35,9 @@ ENV_VARS: dict[str, EnvVar] = {
             "native",
             "CPU kernel build: native (the best this CPU runs), avx512, avx2, neon or portable",
         ),
-        EnvVar("PAGEDLLM_CPU_GEMM", "1", "0 turns only the packed GEMMs off, fp32 and 16-bit (oneDNN / torch then run)"),
+        EnvVar(
+            "PAGEDLLM_CPU_GEMM", "1", "0 turns only the packed GEMMs off, fp32 and 16-bit (oneDNN / torch then run)"
+        ),
         EnvVar("PAGEDLLM_ONEDNN", "1", "0 keeps fp32 weights out of oneDNN's prepacked layout"),
         EnvVar(
             "PAGEDLLM_CPU_DECODE_STACK",

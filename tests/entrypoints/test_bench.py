@@ -259,6 +259,22 @@ def test_long_prompt_mix_spreads_long_prompts():
     assert reqs == long_prompt_mix_requests(16, (4, 8), (100, 120), (5, 6), (1, 1), 0.25, 500, seed=3)
 
 
+@pytest.mark.parametrize("native", [False, True])
+def test_gemm_probe_dtypes_for_16_bit_models(monkeypatch, native):
+    """A 16-bit model's packed linears compute in float32, so the probe takes the better of its
+    dtype and float32; a 16-bit dtype without native dot products is not probed at all."""
+    import torch
+
+    from pagedllm import cpu_info
+
+    monkeypatch.setattr(cpu_info, "native_16_bit", lambda name: native)
+    assert machine._gemm_dtypes(torch.float32) == [torch.float32]
+    expected = [torch.bfloat16, torch.float32] if native else [torch.float32]
+    assert machine._gemm_dtypes(torch.bfloat16) == expected
+    limits = machine.measure_limits(torch.float16, copy_mib=8, gemm_n=128, repeats=1)
+    assert limits.gemm_gflops > 0
+
+
 def test_cost_model_matches_smollm_anchor():
     from pagedllm.entrypoints.bench.common import SMOLLM_135M_SHAPE
 
