@@ -8,6 +8,7 @@ ops on this machine, so "achieved / floor" is comparable across machines and run
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -52,9 +53,8 @@ def measure_limits(
     copy_gbps, read_gbps = _bandwidths(copy_mib, repeats)
     best_s = float("inf")
     for gemm_dtype in _gemm_dtypes(dtype or torch.float32):
-        a = torch.randn(gemm_n, gemm_n).to(gemm_dtype)
-        b = torch.randn(gemm_n, gemm_n).to(gemm_dtype)
-        best_s = min(best_s, _best_seconds(lambda a=a, b=b: torch.mm(a, b), repeats))
+        operands = (torch.randn(gemm_n, gemm_n).to(gemm_dtype), torch.randn(gemm_n, gemm_n).to(gemm_dtype))
+        best_s = min(best_s, _best_seconds(functools.partial(torch.mm, *operands), repeats))
     return MachineLimits(
         copy_gbps=copy_gbps, read_gbps=read_gbps, gemm_gflops=2 * gemm_n**3 / best_s / 1e9, bandwidth=bandwidth
     )
