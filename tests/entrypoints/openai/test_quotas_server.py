@@ -223,9 +223,12 @@ def test_one_key_flooding_does_not_delay_another(srv) -> None:
     # Without fair share B would queue behind the `waiting` flood requests: each batch of
     # MAX_NUM_SEQS of them takes FLOOD_MAX_TOKENS steps.
     assert waiting >= QUEUED
-    # With fair share only the batch running when B arrives, and the few admitted while B's
-    # request crosses the busy HTTP server, finish first: a few batches' worth at most.
-    assert finished_meanwhile <= 3 * MAX_NUM_SEQS, (finished_meanwhile, waiting)
+    # Behind the flood, all `waiting` of A would finish before B. With fair share only the batch
+    # running when B arrives, and those admitted while B's request crosses the HTTP server busy
+    # with the flood's connections, finish first: 4-13 in the runs here (the trip took up to ~300
+    # steps of the batch, so more than three batches' worth is possible on a loaded machine),
+    # far fewer than the queue.
+    assert finished_meanwhile < waiting // 2, (finished_meanwhile, waiting)
     # In time: behind the flood B would wait waiting / MAX_NUM_SEQS batches of FLOOD_MAX_TOKENS
     # steps each (>= 400 steps). With fair share it waits for a free slot (at most FLOOD_MAX_TOKENS
     # steps) plus its own trip through the HTTP server busy with the flood's 200 connections,
