@@ -61,9 +61,10 @@ def cpu_features() -> frozenset[str]:
     return frozenset(_cpuinfo_field("flags", "Features").split())
 
 
-def native_16_bit(dtype: str) -> bool:
-    """Whether this CPU computes ``dtype`` ("bfloat16" / "float16") natively (see _NATIVE_16_BIT_FLAGS)."""
-    return bool(cpu_features() & _NATIVE_16_BIT_FLAGS[dtype])
+def native_16_bit(dtype: object) -> bool:
+    """Whether this CPU computes ``dtype`` natively (see _NATIVE_16_BIT_FLAGS): "bfloat16" /
+    "float16" or the torch dtypes (named without importing torch here)."""
+    return bool(cpu_features() & _NATIVE_16_BIT_FLAGS[str(dtype).removeprefix("torch.")])
 
 
 def machine() -> str:

@@ -52,6 +52,17 @@ def test_dot_extension_names_the_build(monkeypatch):
     assert cpu_info.build_name("neon") == "neon+dotprod"
 
 
+@pytest.mark.parametrize(
+    "flags,bf16,fp16",
+    [(V4 | {"avx512_bf16"}, True, False), (V4 | {"avx512_fp16", "amx_bf16"}, True, True), (V3, False, False)],
+)
+def test_native_16_bit_by_name_or_torch_dtype(monkeypatch, flags, bf16, fp16):
+    fake_cpu(monkeypatch, "x86_64", flags)
+    assert cpu_info.native_16_bit("bfloat16") is bf16 and cpu_info.native_16_bit("float16") is fp16
+    torch = pytest.importorskip("torch")
+    assert cpu_info.native_16_bit(torch.bfloat16) is bf16 and cpu_info.native_16_bit(torch.float16) is fp16
+
+
 def test_compile_flags_follow_the_level_and_extension(monkeypatch):
     cpu_kernels = pytest.importorskip("pagedllm.layers.cpu_kernels")
     fake_cpu(monkeypatch, "x86_64", V4 | {"avx512_vnni", "avx_vnni"})

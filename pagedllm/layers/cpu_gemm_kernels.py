@@ -28,21 +28,25 @@ INT8_GROUP_ROWS = 4 * PANEL
 PackedLinear = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 
 
-@lru_cache(maxsize=1)
-def load_cpu_gemm() -> PackedLinear | None:
-    """``packed_linear(x, packed, bias)`` built for this CPU, or None when disabled
-    (``PAGEDLLM_CPU_GEMM=0`` turns off only this kernel, for A/B runs against oneDNN) or the
+def _packed_op(name: str) -> PackedLinear | None:
+    """The kernel library's op ``name`` (a packed linear), or None when the kernels are off
+    (``PAGEDLLM_CPU_GEMM=0`` turns off only the packed GEMMs, for A/B runs against oneDNN) or the
     build failed."""
     ops = cpu_ops() if kernels_enabled("PAGEDLLM_CPU_GEMM") else None
-    return None if ops is None else ops.packed_linear.default
+    return None if ops is None else getattr(ops, name).default
+
+
+@lru_cache(maxsize=1)
+def load_cpu_gemm() -> PackedLinear | None:
+    """``packed_linear(x, packed, bias)`` built for this CPU, or None (see ``_packed_op``)."""
+    return _packed_op("packed_linear")
 
 
 @lru_cache(maxsize=1)
 def load_cpu_gemm_16() -> PackedLinear | None:
     """``packed_linear_16(x, packed, bias)`` (bfloat16 / float16 panels, result in x's dtype), or
     None as for ``load_cpu_gemm``."""
-    ops = cpu_ops() if kernels_enabled("PAGEDLLM_CPU_GEMM") else None
-    return None if ops is None else ops.packed_linear_16.default
+    return _packed_op("packed_linear_16")
 
 
 # Weight dtypes of the 16-bit packed layout (``packed_linear_16``).

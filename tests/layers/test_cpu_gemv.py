@@ -172,17 +172,20 @@ def test_odd_out_features_keep_the_old_layout(native):
 
 @pytest.fixture
 def fresh_loader():
-    for cached in (kernels.load_cpu_gemm, cpu_kernels.build_cpu_library):
-        cached.cache_clear()
+    cached = (kernels.load_cpu_gemm, kernels.load_cpu_gemm_16, cpu_kernels.build_cpu_library)
+    for loader in cached:
+        loader.cache_clear()
     yield
-    for cached in (kernels.load_cpu_gemm, cpu_kernels.build_cpu_library):
-        cached.cache_clear()
+    for loader in cached:
+        loader.cache_clear()
 
 
-def test_env_var_turns_the_kernel_off(fresh_loader, monkeypatch):
-    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
-    assert kernels.load_cpu_gemm() is None
+@pytest.mark.parametrize("switch", ["PAGEDLLM_CPU_KERNELS", "PAGEDLLM_CPU_GEMM"])
+def test_env_var_turns_the_kernel_off(fresh_loader, monkeypatch, switch):
+    monkeypatch.setenv(switch, "0")
+    assert kernels.load_cpu_gemm() is None and kernels.load_cpu_gemm_16() is None
     assert choose_layout(torch.randn(32, 8)) is not PACKED
+    assert choose_layout(torch.randn(32, 8).bfloat16()) is unquantized.COLUMN_MAJOR
     assert processed_layer(torch.randn(32, 8)).weight.dim() == 2
 
 

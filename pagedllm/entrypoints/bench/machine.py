@@ -71,7 +71,7 @@ def _gemm_dtypes(dtype: Any) -> list[Any]:
 
     if dtype not in (torch.bfloat16, torch.float16):
         return [dtype]
-    native = cpu_info.native_16_bit(str(dtype).removeprefix("torch."))
+    native = cpu_info.native_16_bit(dtype)
     return [dtype, torch.float32] if native else [torch.float32]
 
 

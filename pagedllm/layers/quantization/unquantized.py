@@ -70,16 +70,17 @@ def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def _packed_kernel() -> LinearKernel:
-    kernel = load_cpu_gemm()
-    assert kernel is not None, "the packed layout is chosen only when the kernel built"
+def _required(kernel: LinearKernel | None, layout: str) -> LinearKernel:
+    assert kernel is not None, f"the {layout} layout is chosen only when its kernel built"
     return kernel
+
+
+def _packed_kernel() -> LinearKernel:
+    return _required(load_cpu_gemm(), "packed")
 
 
 def _packed_16_kernel() -> LinearKernel:
-    kernel = load_cpu_gemm_16()
-    assert kernel is not None, "the 16-bit packed layout is chosen only when the kernel built"
-    return kernel
+    return _required(load_cpu_gemm_16(), "16-bit packed")
 
 
 # Rows from which a CPU with native 16-bit dot products runs a layer faster through oneDNN's own
@@ -115,7 +116,7 @@ def choose_layout(w: torch.Tensor) -> WeightLayout:
     if can_pack(w):
         return PACKED
     if can_pack_16(w):
-        return PACKED_16_SPLIT if cpu_info.native_16_bit(str(w.dtype).removeprefix("torch.")) else PACKED_16
+        return PACKED_16_SPLIT if cpu_info.native_16_bit(w.dtype) else PACKED_16
     if w.dtype == torch.float32 and _onednn_enabled():
         return ONEDNN
     return COLUMN_MAJOR
