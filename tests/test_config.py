@@ -87,6 +87,45 @@ def test_kv_budget_check_agrees_with_the_engine(llama_model_dir):
     llm.llm_engine.check_integrity()
 
 
+@pytest.mark.parametrize(
+    "kv_cache_dtype,dtype,resolved",
+    [
+        ("auto", "float32", "float32"),
+        ("bf16", "float32", "bfloat16"),
+        ("half", "float32", "float16"),
+        ("auto", "bfloat16", "bfloat16"),
+        ("bfloat16", "bfloat16", "bfloat16"),
+    ],
+)
+def test_kv_cache_dtype(llama_model_dir, kv_cache_dtype, dtype, resolved):
+    """A 16-bit cache under a float32 model halves a block's bytes: twice the blocks in one budget."""
+    config = _config(llama_model_dir, kv_cache_dtype=kv_cache_dtype, dtype=dtype, max_model_len=512)
+    assert config.cache_config.kv_cache_dtype == resolved
+    # Tiny llama: 2 layers x 2 KV heads x 16 dims x 2 (K, V) x 16 tokens, times the cache's bytes.
+    assert config.kv_bytes_per_block() == 2 * 2 * 16 * 2 * 16 * (4 if resolved == "float32" else 2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, float32, bfloat16, float16"),
+        ({"kv_cache_dtype": "float16", "dtype": "bfloat16"}, "supported for float32 models only"),
+        ({"kv_cache_dtype": "float32", "dtype": "float16"}, "supported for float32 models only"),
+    ],
+)
+def test_kv_cache_dtype_errors(llama_model_dir, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _config(llama_model_dir, **kwargs)
+
+
+def test_kv_cache_dtype_on_cuda_is_the_models():
+    from pagedllm.config.cache import resolve_kv_cache_dtype
+
+    assert resolve_kv_cache_dtype("auto", "bfloat16", "cuda") == "bfloat16"
+    with pytest.raises(ValueError, match="on cuda the KV cache holds the model's dtype"):
+        resolve_kv_cache_dtype("float16", "float32", "cuda")
+
+
 def test_unknown_architecture(llama_model_dir, tmp_path):
     model_dir = tmp_path / "model"
     shutil.copytree(llama_model_dir, model_dir)

@@ -8,7 +8,8 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 
-from pagedllm.config.options import GiB, check_positive, option
+from pagedllm.config.choices import KV_CACHE_DTYPE_CHOICES, KV_CACHE_DTYPES, canonical_dtype
+from pagedllm.config.options import GiB, check_choice, check_positive, option
 
 # The CPU KV pool when kv_cache_memory is not given (CUDA sizes its pool from the free memory).
 DEFAULT_CPU_KV_CACHE_GIB = 4.0
@@ -27,6 +28,7 @@ class CacheConfig:
     enable_prefix_caching: bool
     num_gpu_blocks_override: int | None = None
     swap_space_bytes: int = 0  # the swap tier for evicted prefix-cache blocks (0: none)
+    kv_cache_dtype: str = "float32"  # resolved: float32 | bfloat16 | float16 (resolve_kv_cache_dtype)
 
 
 @dataclass
@@ -53,8 +55,15 @@ class CacheArgs:
         "the temp dir (TMPDIR). 0: off. Preemption still frees blocks (no swap-mode preemption)",
         metavar="GiB",
     )
+    kv_cache_dtype: str = option(
+        "auto",
+        "dtype the KV cache holds (auto: the model's). On CPU a float32 model may keep bfloat16 or float16 "
+        "K/V: half the cache memory (twice the tokens in the pool) and half the bytes decode attention "
+        "reads, attention still computing in float32; output then differs slightly from float32 K/V",
+        choices=KV_CACHE_DTYPE_CHOICES,
+    )
 
-    def create_cache_config(self, device: str) -> CacheConfig:
+    def create_cache_config(self, device: str, model_dtype: str = "float32") -> CacheConfig:
         check_positive("block_size", self.block_size)
         if self.block_size % 8:
             raise ValueError(f"block_size must be a multiple of 8 (16 is the default), got {self.block_size}")
@@ -74,6 +83,7 @@ class CacheArgs:
             self.enable_prefix_caching,
             self.num_gpu_blocks_override,
             swap_bytes,
+            resolve_kv_cache_dtype(self.kv_cache_dtype, model_dtype, device),
         )
 
     def _swap_space_bytes(self, device: str) -> int:
@@ -104,3 +114,23 @@ def check_swap_fits(nbytes: int, device: str) -> None:
             f"swap_space={nbytes / GiB:.3g} GiB is more than {limit / GiB:.3g} GiB, the most this engine "
             f"takes {what}; lower --swap-space {fix}"
         )
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str, device: str) -> str:
+    """--kv-cache-dtype against the model's resolved dtype: auto or the model's own, or on CPU a
+    16-bit cache under a float32 model (the kernels widen it as they read); else a ValueError."""
+    kv = canonical_dtype(kv_cache_dtype)
+    check_choice("kv_cache_dtype", kv, KV_CACHE_DTYPES)
+    if kv in ("auto", model_dtype):
+        return model_dtype
+    if device != "cpu":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} differs from the model's dtype ({model_dtype}), which only CPU "
+            f"runs; on {device} the KV cache holds the model's dtype: drop kv_cache_dtype (or pass 'auto')"
+        )
+    if model_dtype != "float32" or kv == "float32":
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} with dtype {model_dtype}: a KV cache narrower than the model "
+            "is supported for float32 models only (bfloat16 or float16 K/V); drop kv_cache_dtype or pass 'auto'"
+        )
+    return kv

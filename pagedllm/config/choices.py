@@ -12,6 +12,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DTYPE_ALIASES = {"float": "float32", "fp32": "float32", "half": "float16", "fp16": "float16", "bf16": "bfloat16"}
 DTYPE_CHOICES = DTYPES + tuple(DTYPE_ALIASES)  # what --dtype / dtype= accept
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# --kv-cache-dtype (aliases as for --dtype): auto keeps K/V in the model's dtype.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+KV_CACHE_DTYPE_CHOICES = KV_CACHE_DTYPES + tuple(a for a, d in DTYPE_ALIASES.items() if d in KV_CACHE_DTYPES)
 
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")  # models/loader.py reads this table
 # Checkpoint formats: config.json's quantization_config.quant_method (layers/quantization/checkpoint.py,

@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, replace
 
 from pagedllm.config.cache import DEFAULT_CPU_KV_CACHE_GIB, CacheArgs, CacheConfig
-from pagedllm.config.choices import USAGE_CONTEXTS
+from pagedllm.config.choices import DTYPE_BYTES, USAGE_CONTEXTS
 from pagedllm.config.device import DeviceArgs
 from pagedllm.config.lora import LoRAArgs, LoRAConfig
 from pagedllm.config.model import LoadArgs, ModelArgs, ModelConfig
@@ -59,7 +59,7 @@ class EngineConfig:
         # Per rank: each tensor-parallel rank caches only its KV heads (kv_cache_memory is per rank).
         tp = self.parallel_config.tensor_parallel_size
         per_token = sum(2 * n * kv_heads_per_rank(a.num_key_value_heads, tp) * a.head_dim for a, n in layers)
-        return per_token * self.cache_config.block_size * self.model_config.dtype_bytes
+        return per_token * self.cache_config.block_size * DTYPE_BYTES[self.cache_config.kv_cache_dtype]
 
     def num_swap_blocks(self) -> int:
         """Slots of the swap tier: --swap-space over the bytes of one block (0: no tier; an
@@ -136,7 +136,7 @@ class EngineArgs(
                 model_config, runner=runner, pooler_config=self.create_pooler_config(model_dir, arch)
             )
         scheduler_config = self.create_scheduler_config(model_config.max_model_len, device, usage_context)
-        cache_config = self.create_cache_config(device)
+        cache_config = self.create_cache_config(device, model_config.dtype)
         if arch.encoder_only:
             scheduler_config, cache_config = encoder_only_configs(scheduler_config, cache_config)
         config = EngineConfig(

@@ -5,10 +5,13 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
@@ -87,22 +90,53 @@ at::Tensor silu_and_mul(at::Tensor x) {
   return out;
 }
 
-// key/value [T, KVH * D] rows (stride may exceed the width); kv_cache [2, blocks, block_size, KVH, D];
-// slot_mapping [T]: the flat slot of each token; a negative slot skips the token (padding).
-void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping) {
-  TORCH_CHECK(key.scalar_type() == at::kFloat && kv_cache.scalar_type() == at::kFloat, "float32 only");
-  TORCH_CHECK(key.stride(1) == 1 && value.stride(1) == 1 && kv_cache.is_contiguous(), "bad layout");
-  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "int64 slots");
-  const int64_t tokens = key.size(0), width = key.size(1);
-  const int64_t plane = kv_cache.numel() / 2;
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const float* k = key.data_ptr<float>();
-  const float* v = value.data_ptr<float>();
-  float* kc = kv_cache.data_ptr<float>();
+namespace {
+
+// Token t's key and value rows into slot `slot` of the K and V planes, converted to the cache's T.
+template <typename T>
+void write_kv_rows(const float* k, const float* v, T* kc, T* vc, int64_t width) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(kc, k, width * sizeof(float));
+    std::memcpy(vc, v, width * sizeof(float));
+  } else {
+    for (int64_t i = 0; i < width; ++i) {
+      kc[i] = static_cast<T>(k[i]);
+      vc[i] = static_cast<T>(v[i]);
+    }
+  }
+}
+
+template <typename T>
+void write_kv_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const int64_t* slots) {
+  const int64_t tokens = key.size(0), width = key.size(1), plane = kv_cache.numel() / 2;
+  T* cache = static_cast<T*>(kv_cache.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
-    std::memcpy(kc + slots[t] * width, k + t * key.stride(0), width * sizeof(float));
-    std::memcpy(kc + plane + slots[t] * width, v + t * value.stride(0), width * sizeof(float));
+    write_kv_rows<T>(key.data_ptr<float>() + t * key.stride(0), value.data_ptr<float>() + t * value.stride(0),
+                     cache + slots[t] * width, cache + plane + slots[t] * width, width);
+  }
+}
+
+}  // namespace
+
+// key/value [T, KVH * D] float32 rows (stride may exceed the width); kv_cache [2, blocks,
+// block_size, KVH, D] float32, or bfloat16 / float16 (--kv-cache-dtype on a float32 model: each
+// value rounded to nearest even, as torch's .to() rounds); slot_mapping [T]: the flat slot of each
+// token; a negative slot skips the token (padding).
+void write_kv_cache(at::Tensor key, at::Tensor value, at::Tensor kv_cache, at::Tensor slot_mapping) {
+  const at::ScalarType cache_type = kv_cache.scalar_type();
+  TORCH_CHECK(key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
+              "write_kv_cache: float32 keys and values only");
+  TORCH_CHECK(key.stride(1) == 1 && value.stride(1) == 1 && kv_cache.is_contiguous(), "bad layout");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous(), "int64 slots");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  if (cache_type == at::kFloat) {
+    write_kv_tokens<float>(key, value, kv_cache, slots);
+  } else if (cache_type == at::kBFloat16) {
+    write_kv_tokens<c10::BFloat16>(key, value, kv_cache, slots);
+  } else {
+    TORCH_CHECK(cache_type == at::kHalf, "write_kv_cache: the cache must be float32, bfloat16 or float16");
+    write_kv_tokens<c10::Half>(key, value, kv_cache, slots);
   }
 }
 

@@ -156,8 +156,10 @@ inline void values_vec(const float* scores, const T* vc, const int64_t* rows, in
 // (consecutive), kc/vc at head h0's row in the caches. The nh heads' K (or V) rows of a position
 // are one contiguous run, read once per pass. (One task per head, reading a short run and
 // skipping the other heads', ran ~3x slower: the hardware prefetcher does not follow it.)
-template <typename T>
-void decode_seq(const T* q, T* out, const T* kc, const T* vc, const int64_t* table, int64_t seq_len,
+// Q: the query and output type; T: the cache's (Q itself, or a 16-bit cache under a float32
+// query: --kv-cache-dtype).
+template <typename Q, typename T>
+void decode_seq(const Q* q, Q* out, const T* kc, const T* vc, const int64_t* table, int64_t seq_len,
                 int64_t window, int64_t block_size, int64_t kv_stride_block, int64_t kv_stride_tok,
                 int64_t nh, int64_t group, int64_t dim, float scale, Scratch& buf) {
   const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
@@ -179,12 +181,12 @@ void decode_seq(const T* q, T* out, const T* kc, const T* vc, const int64_t* tab
     if (dim % kWidth == 0) {
       scores_vec(qf, kc, offs, n, nh, group, dim, scores);
       for (int64_t r = 0; r < rows; ++r) softmax(scores + r * n, n);
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<Q, float>) {
         values_vec(scores, vc, offs, n, nh, group, dim, out);
       } else {  // summed in float32, rounded once
         buf.acc.resize(rows * dim);
         values_vec(scores, vc, offs, n, nh, group, dim, buf.acc.data());
-        for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<T>(buf.acc[i]);
+        for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<Q>(buf.acc[i]);
       }
       return;
     }
@@ -198,7 +200,7 @@ void decode_seq(const T* q, T* out, const T* kc, const T* vc, const int64_t* tab
   float* acc = buf.acc.data();
   for (int64_t i = 0; i < n; ++i)
     for (int64_t r = 0; r < rows; ++r) accumulate_scalar(acc + r * dim, scores[r * n + i], vc + offs[i] + (r / group) * dim, dim);
-  for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<T>(acc[i]);
+  for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<Q>(acc[i]);
 }
 
 }  // namespace
@@ -219,23 +221,39 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   const int64_t q_row_stride = query.stride(0);
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q = query.data_ptr<scalar_t>();
-    scalar_t* o = out.data_ptr<scalar_t>();
-    const scalar_t* kc = key_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = value_cache.data_ptr<scalar_t>();
-    // A task is a sequence with all its KV heads; a batch too small to keep every thread busy
-    // is split per KV head instead.
-    const int64_t splits = batch >= 2 * at::get_num_threads() ? 1 : kv_heads, nh = kv_heads / splits;
+  // A task is a sequence with all its KV heads; a batch too small to keep every thread busy
+  // is split per KV head instead.
+  const int64_t splits = batch >= 2 * at::get_num_threads() ? 1 : kv_heads, nh = kv_heads / splits;
+  auto run = [&](auto* q, auto* o, const auto* kc, const auto* vc) {
     at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
       thread_local Scratch buf;  // grows to the longest context a thread has seen, then stays
       for (int64_t i = begin; i < end; ++i) {
         const int64_t b = i / splits, h0 = (i % splits) * nh;
-        decode_seq<scalar_t>(q + b * q_row_stride + h0 * group * dim, o + (b * heads + h0 * group) * dim,
-                             kc + h0 * dim, vc + h0 * dim, table + b * max_blocks, lens[b], window, block_size,
-                             block_size * kv_heads * dim, kv_heads * dim, nh, group, dim,
-                             static_cast<float>(scale), buf);
+        decode_seq(q + b * q_row_stride + h0 * group * dim, o + (b * heads + h0 * group) * dim, kc + h0 * dim,
+                   vc + h0 * dim, table + b * max_blocks, lens[b], window, block_size, block_size * kv_heads * dim,
+                   kv_heads * dim, nh, group, dim, static_cast<float>(scale), buf);
       }
     });
+  };
+  const at::ScalarType cache_type = key_cache.scalar_type();
+  TORCH_CHECK(value_cache.scalar_type() == cache_type && out.scalar_type() == query.scalar_type(),
+              "paged_decode_attention: K and V caches of one dtype, out in the query's");
+  if (query.scalar_type() == at::kFloat && cache_type != at::kFloat) {  // a 16-bit cache under float32
+    const float* q = query.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    if (cache_type == at::kBFloat16) {
+      run(q, o, key_cache.data_ptr<c10::BFloat16>(), value_cache.data_ptr<c10::BFloat16>());
+    } else {
+      TORCH_CHECK(cache_type == at::kHalf, "paged_decode_attention: a float32 query reads a float32, "
+                  "bfloat16 or float16 cache");
+      run(q, o, key_cache.data_ptr<c10::Half>(), value_cache.data_ptr<c10::Half>());
+    }
+    return;
+  }
+  TORCH_CHECK(cache_type == query.scalar_type(), "paged_decode_attention: a ", query.scalar_type(),
+              " query reads a cache of its own dtype, not ", cache_type);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    run(query.data_ptr<scalar_t>(), out.data_ptr<scalar_t>(), key_cache.data_ptr<scalar_t>(),
+        value_cache.data_ptr<scalar_t>());
   });
 }

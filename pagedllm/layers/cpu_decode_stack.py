@@ -15,6 +15,7 @@ ranks with its C++ protocol, where the modules' RowParallelLinear calls the same
 whose hidden states exceed a slot runs the modules); the attention layers' own Llama q/k path
 (Qwen3's per-head q/k norm is not); and an attention step whose every token is one query row on
 the paged decode kernel (decodes, speculative verification). Anything else runs the modules.
+The KV cache may be float32, bfloat16 or float16 (``--kv-cache-dtype``).
 ``PAGEDLLM_CPU_DECODE_STACK=0`` always runs the modules. With LoRA slots on the linears (CPU
 float32, the LoRA kernel built) the op adds the step's adapter deltas after each linear, with the
 same kernel (``lora_add_``) the modules call.
@@ -219,6 +220,10 @@ def _lora_tensors(linears: list[Any]) -> dict[str, Any] | None:
     }
 
 
+# The caches the op's K/V write and attention take under float32 activations (--kv-cache-dtype).
+_KV_CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
@@ -280,7 +285,8 @@ def _layer_fits(layer: Any, attention_cls: Any, mlp_cls: type[nn.Module]) -> boo
         isinstance(backend, TorchAttentionBackend)
         and backend.use_cpu_kernels
         and attn.attn.kv_cache is not None
-        and _cpu_fp32(attn.attn.kv_cache)
+        and attn.attn.kv_cache.device.type == "cpu"
+        and attn.attn.kv_cache.dtype in _KV_CACHE_DTYPES
         and type(mlp.act_fn) is SiluAndMul
         and all(_supported(lin, bias_allowed=lin is attn.qkv_proj) for lin in _linears(layer))
     )

@@ -52,6 +52,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = _TORCH_DTYPES[config.model_config.dtype]
+        self.kv_dtype = _TORCH_DTYPES[config.cache_config.kv_cache_dtype]  # the model's, or --kv-cache-dtype
         self.block_size = config.cache_config.block_size
         self.vocab_size = config.model_config.arch.vocab_size
         self.requests: dict[str, CachedRequestState] = {}
@@ -111,7 +112,7 @@ class ModelRunner:
     def initialize_kv_cache(self, num_blocks: int) -> None:
         """Give every attention layer of every model its own cache over the same block ids."""
         self.kv_caches = bind_kv_caches(
-            attention_layers(self.models), num_blocks, self.block_size, self.dtype, self.device, self.attn_backend
+            attention_layers(self.models), num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_backend
         )
         self.kv_tier = KVTier(self.kv_caches, self.config.num_swap_blocks())
 

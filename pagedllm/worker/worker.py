@@ -193,7 +193,7 @@ class Worker:
         assert memory is not None, "CacheConfig resolves the CPU KV pool's size (config/cache.py)"
         logger.info(
             "memory plan: weights %.3g GiB%s, activations of the largest step about %.3g GiB (estimated), "
-            "KV cache %.3g GiB (kv_cache_memory)",
+            "KV cache %.3g GiB in %s (kv_cache_memory, kv_cache_dtype)",
             weight_bytes(cast(torch.nn.Module, self.model_runner.model)) / (1 << 30),
             ""
             if self.config.parallel_config.tensor_parallel_size * self.config.parallel_config.pipeline_parallel_size
@@ -201,6 +201,7 @@ class Worker:
             else " on this rank",
             estimate_activation_bytes(self.config, self.model_runner.dtype) / (1 << 30),
             memory / (1 << 30),
+            self.config.cache_config.kv_cache_dtype,
         )
         return memory
 
@@ -245,7 +246,7 @@ def profile_forward(runner: ModelRunner, config: EngineConfig) -> None:
     block_size = runner.block_size
     for layer in attention_layers(runner.models[:1]):  # the target's
         scratch = torch.zeros(
-            2, 1, block_size, layer.num_kv_heads, layer.head_dim, dtype=runner.dtype, device=runner.device
+            2, 1, block_size, layer.num_kv_heads, layer.head_dim, dtype=runner.kv_dtype, device=runner.device
         )
         layer.bind_kv_cache(scratch, runner.attn_backend)  # replaced by initialize_kv_cache
     tables = [[0] * -(-n // block_size) for n in lengths]

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from pagedllm.layers.attention.backends.base import write_kv
 from pagedllm.layers.attention.backends.torch_sdpa import KVCacheWrite
 
 
@@ -32,33 +33,48 @@ def test_silu_and_mul_vector_exp_over_the_whole_range(kernels):
     torch.testing.assert_close(out, F.silu(gate) * up, rtol=2e-6, atol=1e-6)
 
 
-def test_write_kv_cache_matches_index_copy(kernels):
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_cache_matches_index_copy(kernels, cache_dtype):
+    """float32 K/V into a float32 cache, or a 16-bit one (--kv-cache-dtype) rounded as torch's
+    .to() rounds: bitwise the reference write_kv."""
     blocks, block_size, kv_heads, dim = 6, 4, 2, 8
-    qkv = torch.randn(5, (4 + 2 * kv_heads) * dim)  # k and v are strided views, as in the models
+    qkv = torch.randn(5, (4 + 2 * kv_heads) * dim) * 1e3  # k and v are strided views, as in the models
     k, v = qkv[:, 4 * dim : (4 + kv_heads) * dim], qkv[:, (4 + kv_heads) * dim :]
     slots = torch.tensor([3, 9, 10, 23, 0])
-    fused = torch.zeros(2, blocks, block_size, kv_heads, dim)
+    fused = torch.zeros(2, blocks, block_size, kv_heads, dim, dtype=cache_dtype)
     kernels.write_kv_cache(k, v, fused, slots)
     reference = torch.zeros_like(fused)
-    reference[0].view(-1, kv_heads, dim).index_copy_(0, slots, k.reshape(-1, kv_heads, dim))
-    reference[1].view(-1, kv_heads, dim).index_copy_(0, slots, v.reshape(-1, kv_heads, dim))
-    assert torch.equal(fused, reference)
+    write_kv(reference, k, v, slots)
+    assert torch.equal(fused, reference) and fused.any()
     skipped = torch.zeros_like(fused)
     kernels.write_kv_cache(k, v, skipped, torch.tensor([-1, -1, -1, -1, -1]))  # padding rows write nothing
     assert not skipped.any()
 
 
+def test_write_kv_cache_rejects_what_it_cannot_write(kernels):
+    k = torch.randn(2, 8)
+    with pytest.raises(RuntimeError, match="cache must be float32, bfloat16 or float16"):
+        kernels.write_kv_cache(k, k, torch.zeros(2, 2, 4, 1, 8, dtype=torch.float64), torch.tensor([0, 5]))
+    with pytest.raises(RuntimeError, match="float32 keys and values only"):
+        kernels.write_kv_cache(k.bfloat16(), k.bfloat16(), torch.zeros(2, 2, 4, 1, 8), torch.tensor([0, 5]))
+
+
 def test_write_kv_uses_the_kernel_only_for_float32_cpu():
+    """The kernel takes float32 K/V, into a cache of any dtype it writes (--kv-cache-dtype); a
+    16-bit model's K/V go through the torch reference."""
     write = KVCacheWrite()
     cache = torch.zeros(2, 2, 4, 1, 8, dtype=torch.bfloat16)
     k = torch.randn(2, 8, dtype=torch.bfloat16)
     write(cache, k, k, torch.tensor([0, 5]))
     assert write.forward_method == write.forward_native and torch.equal(cache[0].view(-1, 8)[5], k[1])
-    write32 = KVCacheWrite()
-    cache = torch.zeros(2, 2, 4, 1, 8)
-    k = torch.randn(2, 8)
-    write32(cache, k, k, torch.tensor([0, 5]))
-    assert write32.forward_method == write32.forward_cpu and torch.equal(cache[0].view(-1, 8)[5], k[1])
+    for cache_dtype in (torch.float32, torch.bfloat16):
+        write32 = KVCacheWrite()
+        cache = torch.zeros(2, 2, 4, 1, 8, dtype=cache_dtype)
+        k = torch.randn(2, 8)
+        write32(cache, k, k, torch.tensor([0, 5]))
+        assert write32.forward_method == write32.forward_cpu and torch.equal(
+            cache[0].view(-1, 8)[5], k[1].to(cache_dtype)
+        )
 
 
 @pytest.mark.parametrize("hidden", [576, 102])  # whole vectors; vectors and a scalar tail on every level
@@ -144,3 +160,30 @@ def test_decode_attention_on_16_bit_caches(kernels, dim, dtype):
         # The output's own rounding (2^-8 relative for bfloat16, 2^-11 for float16) and a little more.
         eps = 2**-8 if dtype == torch.bfloat16 else 2**-11
         torch.testing.assert_close(out[b].float(), ref, rtol=2 * eps, atol=1e-3 * eps)
+
+
+@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_float32_queries_on_16_bit_caches(kernels, dim, dtype):
+    """--kv-cache-dtype on a float32 model: float32 queries and output over a 16-bit cache, each K/V
+    value widened exactly. Against SDPA in float32 on the widened cache, to float32 accuracy."""
+    torch.manual_seed(2)
+    heads, kv_heads, block = 9, 3, 16
+    lens = torch.tensor([1, 40, 300])
+    blocks_each = -(-lens.max().item() // block)
+    table = (torch.randperm(len(lens) * blocks_each) + 1).view(len(lens), blocks_each)
+    cache = torch.randn(2, table.numel() + 1, block, kv_heads, dim).to(dtype)
+    q = torch.randn(len(lens), heads, dim)
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, cache[0], cache[1], table, lens, dim**-0.5, 0)
+    for b, n in enumerate(lens.tolist()):
+        keys = cache[0][table[b]].reshape(-1, kv_heads, dim)[:n].float()
+        values = cache[1][table[b]].reshape(-1, kv_heads, dim)[:n].float()
+        ref = F.scaled_dot_product_attention(
+            q[b, :, None], keys.transpose(0, 1), values.transpose(0, 1), scale=dim**-0.5, enable_gqa=True
+        )[:, 0]
+        torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="reads a cache of its own dtype"):
+        kernels.paged_decode_attention(
+            out.to(dtype), q.to(dtype), cache[0].float(), cache[1].float(), table, lens, 1.0, 0
+        )

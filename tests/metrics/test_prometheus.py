@@ -217,5 +217,7 @@ def test_engine_config_sets_token_buckets_spec_counters_and_cache_info(llama_mod
         "enable_prefix_caching",
         "num_gpu_blocks_override",
         "swap_space_bytes",
+        "kv_cache_dtype",
         "num_gpu_blocks",
     }
+    assert info[0]["kv_cache_dtype"] == "float32"

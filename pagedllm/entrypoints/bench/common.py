@@ -150,7 +150,14 @@ def add_common_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_engine_args(p: argparse.ArgumentParser, max_num_seqs: int = 256) -> None:
-    names = ["max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_model_len", "quantization"]
+    names = [
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "kv_cache_memory",
+        "kv_cache_dtype",
+        "max_model_len",
+        "quantization",
+    ]
     add_engine_fields(
         p.add_argument_group("engine"),
         [*names, "enforce_eager"],
@@ -193,7 +200,7 @@ def engine_kwargs(args: argparse.Namespace, model: BenchModel, **overrides: Any)
         device=args.device,
         max_num_seqs=args.max_num_seqs,
     )
-    for name in ("max_num_batched_tokens", "kv_cache_memory", "max_model_len", "quantization"):
+    for name in ("max_num_batched_tokens", "kv_cache_memory", "kv_cache_dtype", "max_model_len", "quantization"):
         if getattr(args, name, None) is not None:
             kwargs[name] = getattr(args, name)
     if getattr(args, "enforce_eager", False):

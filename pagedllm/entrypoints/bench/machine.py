@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2}
+_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,8 @@ class ModelCost:
         return self.layer_params + self.lm_head_params
 
 
-def model_cost(config: dict[str, Any], dtype: str) -> ModelCost:
+def model_cost(config: dict[str, Any], dtype: str, kv_cache_dtype: str | None = None) -> ModelCost:
+    """The step's cost with weights in ``dtype`` and K/V in ``kv_cache_dtype`` (None or auto: ``dtype``)."""
     h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads = config["num_attention_heads"]
     kv_heads = config.get("num_key_value_heads") or heads
@@ -123,7 +124,7 @@ def model_cost(config: dict[str, Any], dtype: str) -> ModelCost:
         lm_head_params=config["vocab_size"] * h,
         norm_params=(2 * layers + 1) * h,
         dtype_bytes=nbytes,
-        kv_bytes_per_token=2 * layers * kv * nbytes,
+        kv_bytes_per_token=2 * layers * kv * _DTYPE_BYTES.get(kv_cache_dtype or "auto", nbytes),
         attn_flops_per_pair=4 * layers * q,
     )
 

@@ -30,10 +30,11 @@ class AttentionBackend(ABC):
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V rows into the paged cache ``[2, num_blocks, block_size, KVH, D]``: the torch
+    """Scatter new K/V rows into the paged cache ``[2, num_blocks, block_size, KVH, D]``, converted
+    to the cache's dtype (a 16-bit cache under a float32 model: --kv-cache-dtype): the torch
     reference any backend may use (the torch backend's CPU kernel replaces it there)."""
     num_kv_heads, head_dim = kv_cache.shape[-2:]
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_dim)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_dim)
-    key_cache.index_copy_(0, slot_mapping, k.view(-1, num_kv_heads, head_dim))
-    value_cache.index_copy_(0, slot_mapping, v.view(-1, num_kv_heads, head_dim))
+    key_cache.index_copy_(0, slot_mapping, k.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, v.view(-1, num_kv_heads, head_dim).to(kv_cache.dtype))

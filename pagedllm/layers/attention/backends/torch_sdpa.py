@@ -101,7 +101,11 @@ def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch
 
 class KVCacheWrite(CustomOp):
     """``forward(kv_cache, k, v, slot_mapping)``: scatter new K/V rows into the paged cache; on CPU
-    in float32 one C++ call instead of ~8 ops (rows are [T, KVH * D] views of the fused qkv output)."""
+    with float32 K/V one C++ call instead of ~8 ops (rows are [T, KVH * D] views of the fused qkv
+    output), into a float32 cache or a 16-bit one (--kv-cache-dtype)."""
+
+    def dispatch_key(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return args[1]  # the new keys' dtype: the kernel takes float32 K/V into any cache dtype
 
     def forward_native(
         self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
@@ -197,8 +201,9 @@ class TorchAttentionBackend(AttentionBackend):
         if metadata.decode_table is None and metadata.decode_rows is not None:
             self._decode(layer, q, out, key_cache, value_cache, metadata)
         for i, seq in enumerate(metadata.prefills):
-            keys = key_cache[seq.kv_slots].transpose(0, 1)  # [KVH, L, D]
-            values = value_cache[seq.kv_slots].transpose(0, 1)
+            # [KVH, L, D], widened to the query's dtype under a 16-bit cache (--kv-cache-dtype)
+            keys = key_cache[seq.kv_slots].transpose(0, 1).to(q.dtype)
+            values = value_cache[seq.kv_slots].transpose(0, 1).to(q.dtype)
             query = q[seq.start : seq.end].transpose(0, 1)  # [H, Lq, D]
             mask = metadata.prefill_mask(i, layer.sliding_window)
             # 4-D (a batch of one): torch's CPU flash kernel takes only 4-D inputs; 3-D ones fall
@@ -237,8 +242,8 @@ class TorchAttentionBackend(AttentionBackend):
     @staticmethod
     def _decode(layer, q, out, key_cache, value_cache, metadata: TorchAttentionMetadata) -> None:
         rows = metadata.decode_rows
-        keys = key_cache[metadata.decode_slots].transpose(1, 2)  # [Bd, KVH, L, D]
-        values = value_cache[metadata.decode_slots].transpose(1, 2)
+        keys = key_cache[metadata.decode_slots].transpose(1, 2).to(q.dtype)  # [Bd, KVH, L, D]
+        values = value_cache[metadata.decode_slots].transpose(1, 2).to(q.dtype)
         query = q[rows].unsqueeze(2)  # [Bd, H, 1, D]
         res = F.scaled_dot_product_attention(
             query,
