@@ -2,7 +2,7 @@
 default (its Q4_1 linears kept 4-bit), int8, int4, w4a8 and w8a8 against transformers (the float32 reference) and llama.cpp computing with the GGUF's own
 Q4_1 weights.
 
-    python -m benchmarks.perplexity [--gguf FILE] [--methods fp32 gguf int8 int4 w4a8 w8a8 bf16 fp16] [--no-llama-cpp]
+    python -m benchmarks.perplexity [--gguf FILE] [--methods fp32 gguf int8 int4 w4a8 w8a8 bf16 fp16 kv-bf16 kv-fp16] [--no-llama-cpp]
 
 The text (``benchmarks/perplexity_text.txt``, plain prose written for this benchmark, ~1250
 tokens of SmolLM2's tokenizer) is one sequence, tokenized once by pagedllm's tokenizer (no BOS:
@@ -22,6 +22,8 @@ Systems, all on the same file (default: SmolLM2-135M-Instruct.Q4_1.gguf from ``p
 * pagedllm w4a8: the file's Q4_1 blocks as stored, with int8 activations per 32 inputs (as llama.cpp).
 * pagedllm bf16 / fp16: ``--dtype bfloat16 / float16``, the dequantized weights rounded to 16 bits,
   activations and KV cache in that dtype too.
+* pagedllm kv-bf16 / kv-fp16: the fp32 row with ``--kv-cache-dtype bfloat16 / float16`` (each K/V
+  value rounded to 16 bits in the cache; the prompt's attention reads it back from there).
 * llama.cpp Q4_1 (with ``llama-cpp-python``): the file itself, Q4_1 weights multiplied with
   8-bit activations (its Q8_0 embedding is also its LM head).
 
@@ -43,9 +45,11 @@ from typing import Any
 import numpy as np
 
 TEXT = Path(__file__).with_name("perplexity_text.txt")
-METHODS = ("fp32", "gguf", "int8", "int4", "w4a8", "w8a8", "bf16", "fp16")
+METHODS = ("fp32", "gguf", "int8", "int4", "w4a8", "w8a8", "bf16", "fp16", "kv-bf16", "kv-fp16")
 # The float rows: --quantization none, in this dtype.
 FLOAT_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+# float32 weights and activations over a 16-bit KV cache (--kv-cache-dtype).
+KV_CACHE_DTYPES = {"kv-bf16": "bfloat16", "kv-fp16": "float16"}
 
 
 @dataclass
@@ -71,11 +75,12 @@ def pagedllm_scores(gguf: Path, method: str, tokens: list[int]) -> Scores:
     """pagedllm's ``prompt_logprobs`` (top 1 plus the text's token) over the whole text."""
     from pagedllm import LLM, SamplingParams
 
-    quantization = "none" if method in FLOAT_DTYPES else method
+    quantization = "none" if method in FLOAT_DTYPES or method in KV_CACHE_DTYPES else method
     llm = LLM(
         str(gguf),
         quantization=quantization,
         dtype=FLOAT_DTYPES.get(method, "float32"),
+        kv_cache_dtype=KV_CACHE_DTYPES.get(method, "auto"),
         max_model_len=len(tokens) + 16,
         max_num_batched_tokens=len(tokens) + 16,
         kv_cache_memory=0.25,
