@@ -23,8 +23,9 @@ from typing import Any
 
 from pagedllm.config import EngineArgs
 from pagedllm.engine.llm_engine import LLMEngine
-from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
+from pagedllm.entrypoints.bench.common import env_line, environment, format_table, read_hf_config, write_dummy_model_dir
 from pagedllm.entrypoints.bench.engine_probe import model_runner
+from pagedllm.entrypoints.bench.machine import model_cost
 from pagedllm.layers.cpu_kernels import kernel_build
 from pagedllm.sampling_params import SamplingParams
 
@@ -32,6 +33,8 @@ CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 
 def _engine(model_dir: Path, kv: str, batch: int, context: int, args: argparse.Namespace) -> Any:
+    tokens = context + args.rounds + 64
+    pool_gib = batch * tokens * model_cost(read_hf_config(model_dir), "float32", kv).kv_bytes_per_token / 2**30
     engine = LLMEngine.from_engine_args(
         EngineArgs(
             model=str(model_dir),
@@ -41,9 +44,9 @@ def _engine(model_dir: Path, kv: str, batch: int, context: int, args: argparse.N
             kv_cache_dtype=kv,
             enable_prefix_caching=False,
             max_num_seqs=batch,
-            max_model_len=context + args.rounds + 64,
-            max_num_batched_tokens=max(2048, context + args.rounds + 64),
-            kv_cache_memory=batch * (context + args.rounds + 64) * 2 * 30 * 192 * 4 / 2**30 * 1.1 + 0.01,
+            max_model_len=tokens,
+            max_num_batched_tokens=max(2048, tokens),
+            kv_cache_memory=1.1 * pool_gib + 0.01,
         )
     )
     rng = random.Random(args.seed)
@@ -70,7 +73,7 @@ def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace)
     rows = []
     for kv, engine in engines.items():
         cache = model_runner(engine).kv_caches[0]
-        kv_mb = batch * context * 2 * 30 * 192 * cache.element_size() / 1e6  # SmolLM: 30 layers, 3 x 64 KV
+        kv_mb = batch * context * model_cost(read_hf_config(model_dir), "float32", kv).kv_bytes_per_token / 1e6
         rows.append(
             (
                 batch,

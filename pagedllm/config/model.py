@@ -8,7 +8,6 @@ from pathlib import Path
 from pagedllm.config.choices import (
     CHECKPOINT_QUANT_METHODS,
     CPU_ONLY_QUANTIZATION,
-    DTYPE_BYTES,
     DTYPE_CHOICES,
     DTYPES,
     LOAD_FORMATS,
@@ -47,10 +46,6 @@ class ModelConfig:
     @property
     def is_pooling(self) -> bool:
         return self.runner == "pooling"
-
-    @property
-    def dtype_bytes(self) -> int:
-        return DTYPE_BYTES[self.dtype]
 
     @property
     def logprobs_cap(self) -> int:

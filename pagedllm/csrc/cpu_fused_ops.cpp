@@ -92,7 +92,8 @@ at::Tensor silu_and_mul(at::Tensor x) {
 
 namespace {
 
-// Token t's key and value rows into slot `slot` of the K and V planes, converted to the cache's T.
+// One token's key and value rows (width floats each) into its K and V cache rows, converted to the
+// cache's T (a copy for float32).
 template <typename T>
 void write_kv_rows(const float* k, const float* v, T* kc, T* vc, int64_t width) {
   if constexpr (std::is_same_v<T, float>) {
@@ -109,11 +110,14 @@ void write_kv_rows(const float* k, const float* v, T* kc, T* vc, int64_t width) 
 template <typename T>
 void write_kv_tokens(const at::Tensor& key, const at::Tensor& value, at::Tensor& kv_cache, const int64_t* slots) {
   const int64_t tokens = key.size(0), width = key.size(1), plane = kv_cache.numel() / 2;
+  const int64_t k_stride = key.stride(0), v_stride = value.stride(0);
+  const float* k = key.data_ptr<float>();
+  const float* v = value.data_ptr<float>();
   T* cache = static_cast<T*>(kv_cache.data_ptr());
   for (int64_t t = 0; t < tokens; ++t) {
     if (slots[t] < 0) continue;
-    write_kv_rows<T>(key.data_ptr<float>() + t * key.stride(0), value.data_ptr<float>() + t * value.stride(0),
-                     cache + slots[t] * width, cache + plane + slots[t] * width, width);
+    write_kv_rows<T>(k + t * k_stride, v + t * v_stride, cache + slots[t] * width, cache + plane + slots[t] * width,
+                     width);
   }
 }
 

@@ -386,7 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     env = common.environment()
     with common.bench_model(args) as model:
         vocab, _ = common.model_limits(model.path)
-        cost = machine.model_cost(common.read_hf_config(model.path), args.dtype, getattr(args, "kv_cache_dtype", None))
+        cost = machine.model_cost(common.read_hf_config(model.path), args.dtype, args.kv_cache_dtype)
         limits = common.measure_limits(args)
         rounds: list[list[Measurement]] = []
         notes: list[str] = []

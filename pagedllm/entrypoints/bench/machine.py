@@ -14,7 +14,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-_DTYPE_BYTES = {"float32": 4, "float": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "half": 2, "fp16": 2}
+from pagedllm.config.choices import DTYPE_BYTES, canonical_dtype
+
+
+def _dtype_bytes(name: str | None, default: int) -> int:
+    """Bytes per value of a --dtype / --kv-cache-dtype name (aliases included); ``default`` for auto."""
+    return DTYPE_BYTES.get(canonical_dtype(name or "auto"), default)
 
 
 @dataclass(frozen=True)
@@ -118,13 +123,13 @@ def model_cost(config: dict[str, Any], dtype: str, kv_cache_dtype: str | None = 
     q, kv = heads * head_dim, kv_heads * head_dim
     attn = h * q + 2 * h * kv + q * h + ((q + 2 * kv) if config.get("attention_bias") else 0)
     mlp = 3 * h * inter
-    nbytes = _DTYPE_BYTES.get(dtype, 4)
+    nbytes = _dtype_bytes(dtype, 4)
     return ModelCost(
         layer_params=layers * (attn + mlp),
         lm_head_params=config["vocab_size"] * h,
         norm_params=(2 * layers + 1) * h,
         dtype_bytes=nbytes,
-        kv_bytes_per_token=2 * layers * kv * _DTYPE_BYTES.get(kv_cache_dtype or "auto", nbytes),
+        kv_bytes_per_token=2 * layers * kv * _dtype_bytes(kv_cache_dtype, nbytes),
         attn_flops_per_pair=4 * layers * q,
     )
 

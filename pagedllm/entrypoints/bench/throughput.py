@@ -218,7 +218,7 @@ def floor_result(args: argparse.Namespace, model: common.BenchModel, requests: l
     from pagedllm.entrypoints.bench import machine
 
     limits = common.measure_limits(args)
-    cost = machine.model_cost(common.read_hf_config(model.path), args.dtype, getattr(args, "kv_cache_dtype", None))
+    cost = machine.model_cost(common.read_hf_config(model.path), args.dtype, args.kv_cache_dtype)
     seconds = machine.workload_floor_seconds(
         cost, limits, [len(r.prompt_token_ids) for r in requests], [r.output_len for r in requests]
     )
