@@ -125,8 +125,8 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: str, device: str) -
         return model_dtype
     if device != "cpu":
         raise ValueError(
-            f"kv_cache_dtype={kv_cache_dtype!r} differs from the model's dtype ({model_dtype}); a KV cache in "
-            f"another dtype runs on CPU only, on {device} it holds the model's: drop kv_cache_dtype (or pass 'auto')"
+            f"kv_cache_dtype={kv_cache_dtype!r} differs from the model's dtype ({model_dtype}); only CPU runs "
+            f"that, on {device} the KV cache holds the model's dtype: drop kv_cache_dtype (or pass 'auto')"
         )
     if model_dtype != "float32" or kv == "float32":
         raise ValueError(
