@@ -44,11 +44,13 @@ def _build(ref: str | None, isa: str) -> object:
     return ops.paged_decode_attention
 
 
-def _inputs(batch: int, ctx: int, generator: torch.Generator, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+def _inputs(
+    batch: int, ctx: int, generator: torch.Generator, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
     blocks = -(-ctx // 16)
     pool = 2 * batch * blocks + 1  # twice the blocks in use, in shuffled order; block 0 unused
     table = (torch.randperm(pool - 1, generator=generator)[: batch * blocks] + 1).view(batch, blocks)
-    cache = torch.randn(2, pool, 16, 3, 64, generator=generator).to(dtype)
+    cache = torch.randn(2, pool, 16, 3, 64, generator=generator).to(cache_dtype)
     q = torch.randn(batch, 9, 64, generator=generator).to(dtype)
     return q, cache[0], cache[1], table, torch.full((batch,), ctx)
 
@@ -67,28 +69,43 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--isa", default="avx2", help="kernel level to build both with (default avx2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float16"],
+                   help="a 16-bit KV cache under a float32 query (--kv-cache-dtype); default: the query's dtype")
+    p.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES],
+                   help="SEQUENCESxCONTEXT pairs (default: %(default)s)")
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
+    cache_dtype = getattr(torch, args.cache_dtype) if args.cache_dtype else dtype
+    if cache_dtype != dtype and dtype != torch.float32:
+        p.error("--cache-dtype goes with a float32 query (--dtype float32)")
+    try:
+        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+    except ValueError:
+        p.error(f"--shapes takes SEQUENCESxCONTEXT pairs such as 64x300, not {args.shapes}")
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 * torch.finfo(dtype).eps, "atol": 1e-5}
     ops = {"base": _build(args.base, args.isa), "new": _build(None, args.isa)}
     generator = torch.Generator().manual_seed(0)
     print(
         f"decode attention, {args.base} (base) vs working tree (new), {args.isa} build, {args.dtype}; median of {args.rounds}"
     )
-    print("threads  seqs  context   base us    new us  new speed")
+    print("threads  seqs  context   base us    new us  new speed  base GB/s new GB/s (K/V read)")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        for batch, ctx in SHAPES:
-            q, *rest = _inputs(batch, ctx, generator, dtype)
+        for batch, ctx in shapes:
+            q, *rest = _inputs(batch, ctx, generator, dtype, cache_dtype)
             outs = {k: torch.empty_like(q) for k in ops}
-            calls = max(3, 20_000 // (batch * ctx))
+            calls = max(3, 20_000 // (batch * ctx))  # a few ms per timed batch
             times: dict[str, list[float]] = {k: [] for k in ops}
             for _ in range(args.rounds):
                 for k, op in ops.items():
                     times[k].append(_time(op, outs[k], (q, *rest), calls))
             torch.testing.assert_close(outs["new"], outs["base"], **tol)
             base, new = (statistics.median(times[k]) for k in ("base", "new"))
-            print(f"{threads:7d} {batch:5d} {ctx:8d} {base * 1e6:9.1f} {new * 1e6:9.1f} {base / new:9.2f}x")
+            kv_bytes = batch * ctx * 2 * 3 * 64 * cache_dtype.itemsize  # K and V rows read per call
+            print(
+                f"{threads:7d} {batch:5d} {ctx:8d} {base * 1e6:9.1f} {new * 1e6:9.1f} {base / new:9.2f}x"
+                f" {kv_bytes / base / 1e9:8.1f} {kv_bytes / new / 1e9:8.1f}"
+            )
 
 
 if __name__ == "__main__":

@@ -65,21 +65,42 @@ inline void dot_keys(const float* q, const T* const* k, int64_t off, int64_t dim
   }
 }
 
-// out[0, V * kWidth) = sum_i probs[i] * v[rows[i]][0, V * kWidth): V accumulators in registers
-// across all n positions, stored once (float32).
+// out[0, V * kWidth) (+)= sum_i probs[i] * v[rows[i]][0, V * kWidth) over n positions (float32;
+// added to what out holds when accumulate). A tile of few vectors (AVX-512's 4 for a head of 64)
+// sums even and odd positions apart: one chain of dependent FMAs per vector waited on the FMA
+// latency rather than the loads.
 template <int V, typename T>
-inline void weighted_sum(const float* probs, const T* v, const int64_t* rows, int64_t n, float* out) {
-  Vec acc[V];
+inline void weighted_sum(const float* probs, const T* v, const int64_t* rows, int64_t n, float* out, bool accumulate) {
+  constexpr int C = 2 * V <= kOutVecs ? 2 : 1;
+  Vec acc[C][V];
 #pragma GCC unroll 8
-  for (int j = 0; j < V; ++j) acc[j] = zero();
-  for (int64_t i = 0; i < n; ++i) {
+  for (int j = 0; j < V; ++j) acc[0][j] = accumulate ? load(out + j * kWidth) : zero();
+#pragma GCC unroll 8
+  for (int c = 1; c < C; ++c)
+#pragma GCC unroll 8
+    for (int j = 0; j < V; ++j) acc[c][j] = zero();
+  int64_t i = 0;
+  for (; i + C <= n; i += C) {
+#pragma GCC unroll 2
+    for (int c = 0; c < C; ++c) {
+      const Vec p = broadcast(probs[i + c]);
+      const T* vi = v + rows[i + c];
+#pragma GCC unroll 8
+      for (int j = 0; j < V; ++j) acc[c][j] = fmadd(p, load_kv(vi + j * kWidth), acc[c][j]);
+    }
+  }
+  for (; i < n; ++i) {
     const Vec p = broadcast(probs[i]);
     const T* vi = v + rows[i];
 #pragma GCC unroll 8
-    for (int j = 0; j < V; ++j) acc[j] = fmadd(p, load_kv(vi + j * kWidth), acc[j]);
+    for (int j = 0; j < V; ++j) acc[0][j] = fmadd(p, load_kv(vi + j * kWidth), acc[0][j]);
   }
 #pragma GCC unroll 8
-  for (int j = 0; j < V; ++j) store(out + j * kWidth, acc[j]);
+  for (int j = 0; j < V; ++j) {
+#pragma GCC unroll 2
+    for (int c = 1; c < C; ++c) acc[0][j] = acc[0][j] + acc[c][j];
+    store(out + j * kWidth, acc[0][j]);
+  }
 }
 
 // Generic path (float64, or dim not a multiple of kWidth): scalar sums.
@@ -120,6 +141,18 @@ inline void softmax(float* s, int64_t n) {
   for (i = 0; i < n; ++i) s[i] *= inv;
 }
 
+// The cache rows (bytes each) of positions [i, i + count) into L2, one prefetch per line: blocks
+// lie anywhere in the pool, so the hardware prefetcher, which stops at page boundaries, would
+// start every block cold.
+inline void prefetch_rows(const void* base, const int64_t* rows, int64_t count, int64_t elem, int64_t bytes) {
+  const char* b = static_cast<const char*>(base);
+  for (int64_t p = 0; p < count; ++p)
+    for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(b + rows[p] * elem + o);
+}
+
+// Positions ahead of the tile in use whose rows are prefetched.
+constexpr int64_t kAhead = 32;
+
 // Pass 1 on the vector path: scores[r * n + i] for every query row r against every visible key,
 // in tiles of kKeys positions (their K rows stay in L1 while all the rows use them).
 template <typename T>
@@ -127,6 +160,8 @@ inline void scores_vec(const float* qf, const T* kc, const int64_t* rows, int64_
                        int64_t dim, float* scores) {
   for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
     const int64_t np = std::min<int64_t>(kKeys, n - i0);
+    if (i0 + kAhead < n)
+      prefetch_rows(kc, rows + i0 + kAhead, std::min<int64_t>(kKeys, n - i0 - kAhead), sizeof(T), nh * dim * sizeof(T));
     const T* k[kKeys];
     for (int64_t p = 0; p < np; ++p) k[p] = kc + rows[i0 + p];
     for (int64_t r = 0; r < nh * group; ++r) {
@@ -138,16 +173,26 @@ inline void scores_vec(const float* qf, const T* kc, const int64_t* rows, int64_
   }
 }
 
+// Positions per tile of pass 2: every query row sums a tile's V rows while they are in L1 (one
+// read of V from memory; sweeping all positions per row read V once per query head).
+constexpr int64_t kValueTile = 32;
+
 // Pass 2 on the vector path: out row r = sum_i p_ri v_i (float32), in column tiles of kOutVecs vectors.
 template <typename T>
 inline void values_vec(const float* scores, const T* vc, const int64_t* rows, int64_t n, int64_t nh, int64_t group,
                        int64_t dim, float* out) {
-  for (int64_t r = 0; r < nh * group; ++r) {
-    const T* v = vc + (r / group) * dim;
-    for (int64_t d = 0; d < dim; d += kOutVecs * kWidth) {
-      dispatch<kOutVecs>((dim - d) / kWidth, [&](auto vecs) {
-        weighted_sum<decltype(vecs)::value>(scores + r * n, v + d, rows, n, out + r * dim + d);
-      });
+  for (int64_t i0 = 0; i0 < n; i0 += kValueTile) {
+    const int64_t np = std::min<int64_t>(kValueTile, n - i0);
+    if (i0 + kAhead < n)
+      prefetch_rows(vc, rows + i0 + kAhead, std::min<int64_t>(kValueTile, n - i0 - kAhead), sizeof(T),
+                    nh * dim * sizeof(T));
+    for (int64_t r = 0; r < nh * group; ++r) {
+      const T* v = vc + (r / group) * dim;
+      for (int64_t d = 0; d < dim; d += kOutVecs * kWidth) {
+        dispatch<kOutVecs>((dim - d) / kWidth, [&](auto vecs) {
+          weighted_sum<decltype(vecs)::value>(scores + r * n + i0, v + d, rows + i0, np, out + r * dim + d, i0 > 0);
+        });
+      }
     }
   }
 }
