@@ -69,10 +69,18 @@ def main() -> None:
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--isa", default="avx2", help="kernel level to build both with (default avx2)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--cache-dtype", default=None, choices=["bfloat16", "float16"],
-                   help="a 16-bit KV cache under a float32 query (--kv-cache-dtype); default: the query's dtype")
-    p.add_argument("--shapes", nargs="+", default=[f"{b}x{c}" for b, c in SHAPES],
-                   help="SEQUENCESxCONTEXT pairs (default: %(default)s)")
+    p.add_argument(
+        "--cache-dtype",
+        default=None,
+        choices=["bfloat16", "float16"],
+        help="a 16-bit KV cache under a float32 query (--kv-cache-dtype); default: the query's dtype",
+    )
+    p.add_argument(
+        "--shapes",
+        nargs="+",
+        default=[f"{b}x{c}" for b, c in SHAPES],
+        help="SEQUENCESxCONTEXT pairs (default: %(default)s)",
+    )
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
     cache_dtype = getattr(torch, args.cache_dtype) if args.cache_dtype else dtype
