@@ -1,6 +1,7 @@
 """Decode attention kernel of a git ref against the working tree's, timed interleaved in one process.
 
     python -m benchmarks.attention_ab --base caa7533 [--rounds 7] [--threads 1 2] [--dtype bfloat16]
+        [--cache-dtype float16] [--shapes 64x300 64x1024]
 
 On a shared machine whose speed drifts by tens of percent from one minute to the next, two
 benchmark processes run minutes apart cannot tell a 20% kernel change from noise. This builds
