@@ -46,14 +46,26 @@ def _build(ref: str | None, isa: str) -> object:
 
 
 def _inputs(
-    batch: int, ctx: int, generator: torch.Generator, dtype: torch.dtype, cache_dtype: torch.dtype
+    batch: int, ctx: tuple[int, int], generator: torch.Generator, dtype: torch.dtype, cache_dtype: torch.dtype
 ) -> tuple[torch.Tensor, ...]:
-    blocks = -(-ctx // 16)
+    """Query, caches, block table and context lengths: each sequence's drawn from [ctx[0], ctx[1]]."""
+    blocks = -(-ctx[1] // 16)
     pool = 2 * batch * blocks + 1  # twice the blocks in use, in shuffled order; block 0 unused
     table = (torch.randperm(pool - 1, generator=generator)[: batch * blocks] + 1).view(batch, blocks)
     cache = torch.randn(2, pool, 16, 3, 64, generator=generator).to(cache_dtype)
     q = torch.randn(batch, 9, 64, generator=generator).to(dtype)
-    return q, cache[0], cache[1], table, torch.full((batch,), ctx)
+    lens = torch.randint(ctx[0], ctx[1] + 1, (batch,), generator=generator)
+    return q, cache[0], cache[1], table, lens
+
+
+def _shape(text: str) -> tuple[int, tuple[int, int]]:
+    """'64x300' -> (64, (300, 300)); '64x32-512' -> (64, (32, 512))."""
+    seqs, ctx = text.split("x")
+    low, _, high = ctx.partition("-")
+    shape = int(seqs), (int(low), int(high or low))
+    if shape[0] < 1 or not 1 <= shape[1][0] <= shape[1][1]:
+        raise ValueError(text)
+    return shape
 
 
 def _time(op, out: torch.Tensor, args: tuple, calls: int) -> float:
@@ -80,7 +92,7 @@ def main() -> None:
         "--shapes",
         nargs="+",
         default=[f"{b}x{c}" for b, c in SHAPES],
-        help="SEQUENCESxCONTEXT pairs (default: %(default)s)",
+        help="SEQUENCESxCONTEXT, or SEQUENCESxLOW-HIGH for contexts drawn from LOW..HIGH (default: %(default)s)",
     )
     args = p.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -88,9 +100,9 @@ def main() -> None:
     if cache_dtype != dtype and dtype != torch.float32:
         p.error("--cache-dtype goes with a float32 query (--dtype float32)")
     try:
-        shapes = [tuple(int(x) for x in shape.split("x")) for shape in args.shapes]
+        shapes = [_shape(shape) for shape in args.shapes]
     except ValueError:
-        p.error(f"--shapes takes SEQUENCESxCONTEXT pairs such as 64x300, not {args.shapes}")
+        p.error(f"--shapes takes SEQUENCESxCONTEXT or SEQUENCESxLOW-HIGH such as 64x300 64x32-512, not {args.shapes}")
     tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 2 * torch.finfo(dtype).eps, "atol": 1e-5}
     ops = {"base": _build(args.base, args.isa), "new": _build(None, args.isa)}
     generator = torch.Generator().manual_seed(0)
@@ -103,16 +115,17 @@ def main() -> None:
         for batch, ctx in shapes:
             q, *rest = _inputs(batch, ctx, generator, dtype, cache_dtype)
             outs = {k: torch.empty_like(q) for k in ops}
-            calls = max(3, 20_000 // (batch * ctx))  # a few ms per timed batch
+            tokens = int(rest[-1].sum())
+            calls = max(3, 20_000 // tokens)  # a few ms per timed batch
             times: dict[str, list[float]] = {k: [] for k in ops}
             for _ in range(args.rounds):
                 for k, op in ops.items():
                     times[k].append(_time(op, outs[k], (q, *rest), calls))
             torch.testing.assert_close(outs["new"], outs["base"], **tol)
             base, new = (statistics.median(times[k]) for k in ("base", "new"))
-            kv_bytes = batch * ctx * 2 * 3 * 64 * cache_dtype.itemsize  # K and V rows read per call
+            kv_bytes = tokens * 2 * 3 * 64 * cache_dtype.itemsize  # K and V rows read per call
             print(
-                f"{threads:7d} {batch:5d} {ctx:8d} {base * 1e6:9.1f} {new * 1e6:9.1f} {base / new:9.2f}x"
+                f"{threads:7d} {batch:5d} {'-'.join(map(str, sorted(set(ctx)))):>8} {base * 1e6:9.1f} {new * 1e6:9.1f} {base / new:9.2f}x"
                 f" {kv_bytes / base / 1e9:8.1f} {kv_bytes / new / 1e9:8.1f}"
             )
 

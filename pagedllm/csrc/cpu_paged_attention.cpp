@@ -248,6 +248,29 @@ void decode_seq(const Q* q, Q* out, const T* kc, const T* vc, const int64_t* tab
   for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<Q>(acc[i]);
 }
 
+// Tasks [0, batch * splits) (sequence b's are b * splits ...) cut into `parts` consecutive ranges
+// of about equal work, a task's work being the positions it reads plus a fixed cost: ranges of
+// equal task counts left one thread waiting on the other when contexts differ (a batch's
+// sequences do). Part t is [bounds[t], bounds[t + 1]).
+std::vector<int64_t> balanced_ranges(const int64_t* lens, int64_t batch, int64_t splits, int64_t window,
+                                     int64_t parts) {
+  constexpr int64_t kTaskCost = 16;  // positions' worth of per-task work (query, offsets, softmax)
+  std::vector<int64_t> cost(batch * splits + 1, 0);
+  for (int64_t i = 0; i < batch * splits; ++i) {
+    const int64_t len = lens[i / splits];
+    cost[i + 1] = cost[i] + (window > 0 ? std::min(len, window) : len) + kTaskCost;
+  }
+  std::vector<int64_t> bounds(parts + 1, batch * splits);
+  bounds[0] = 0;
+  for (int64_t t = 1, i = 0; t < parts; ++t) {
+    const int64_t target = cost.back() * t / parts;
+    while (i < batch * splits && cost[i + 1] <= target) ++i;
+    if (i < batch * splits && cost[i + 1] - target < target - cost[i]) ++i;  // mostly before the cut: left
+    bounds[t] = i;
+  }
+  return bounds;
+}
+
 }  // namespace
 
 // query/out: [B, H, D] (query rows may be strided); caches: [num_blocks, block_size, KVH, D]; block_table: [B, max_blocks] int64;
@@ -268,11 +291,13 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   // A task is a sequence with all its KV heads; a batch too small to keep every thread busy
   // is split per KV head instead.
-  const int64_t splits = batch >= 2 * at::get_num_threads() ? 1 : kv_heads, nh = kv_heads / splits;
+  const int64_t threads = at::get_num_threads(), splits = batch >= 2 * threads ? 1 : kv_heads;
+  const int64_t nh = kv_heads / splits;
+  const std::vector<int64_t> bounds = balanced_ranges(lens, batch, splits, window, threads);
   auto run = [&](auto* q, auto* o, const auto* kc, const auto* vc) {
-    at::parallel_for(0, batch * splits, 1, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
       thread_local Scratch buf;  // grows to the longest context a thread has seen, then stays
-      for (int64_t i = begin; i < end; ++i) {
+      for (int64_t i = bounds[t0]; i < bounds[t1]; ++i) {
         const int64_t b = i / splits, h0 = (i % splits) * nh;
         decode_seq(q + b * q_row_stride + h0 * group * dim, o + (b * heads + h0 * group) * dim, kc + h0 * dim,
                    vc + h0 * dim, table + b * max_blocks, lens[b], window, block_size, block_size * kv_heads * dim,
