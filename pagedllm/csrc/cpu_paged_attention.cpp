@@ -116,8 +116,9 @@ inline void accumulate_scalar(float* a, float p, const T* v, int64_t dim) {
   for (int64_t d = 0; d < dim; ++d) a[d] += p * to_f(v[d]);
 }
 
-// Scores -> probabilities in place (one query head's n scores).
-inline void softmax(float* s, int64_t n) {
+// Scores -> probabilities in place (one query head's n scores). With max_out / sum_out (a task
+// over part of the positions, see Partial): e^(s - max) left unnormalized, max and sum stored.
+inline void softmax(float* s, int64_t n, float* max_out = nullptr, float* sum_out = nullptr) {
   float m = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
   if (n >= kWidth) {
@@ -137,6 +138,10 @@ inline void softmax(float* s, int64_t n) {
   }
   sum = reduce_add(vsum);
   for (; i < n; ++i) { s[i] = std::exp(s[i] - m); sum += s[i]; }
+  if (max_out) {
+    *max_out = m, *sum_out = sum;
+    return;
+  }
   const float inv = 1.f / sum;
   for (i = 0; i < n; ++i) s[i] *= inv;
 }
@@ -197,18 +202,24 @@ inline void values_vec(const float* scores, const T* vc, const int64_t* rows, in
   }
 }
 
-// One sequence, KV heads [h0, h0 + nh): q/out point at the first of their nh * G query heads
-// (consecutive), kc/vc at head h0's row in the caches. The nh heads' K (or V) rows of a position
-// are one contiguous run, read once per pass. (One task per head, reading a short run and
-// skipping the other heads', ran ~3x slower: the hardware prefetcher does not follow it.)
+// Where a task over part of a sequence's positions leaves its result, per query row r: the
+// unnormalized acc[r] = sum_i e^(s_ri - max[r]) v_i, max[r] and sum[r] = sum_i e^(s_ri - max[r]).
+struct Partial {
+  float *acc, *max, *sum;
+};
+
+// One sequence, KV heads [h0, h0 + nh), positions [lo, hi): q/out point at the first of their
+// nh * G query heads (consecutive), kc/vc at head h0's row in the caches. The nh heads' K (or V)
+// rows of a position are one contiguous run, read once per pass. (One task per head, reading a
+// short run and skipping the other heads', ran ~3x slower: the hardware prefetcher does not
+// follow it.) part: the range is part of the visible positions, its sums go there, not to out.
 // Q: the query and output type; T: the cache's (Q itself, or a 16-bit cache under a float32
 // query: --kv-cache-dtype).
 template <typename Q, typename T>
-void decode_seq(const Q* q, Q* out, const T* kc, const T* vc, const int64_t* table, int64_t seq_len,
-                int64_t window, int64_t block_size, int64_t kv_stride_block, int64_t kv_stride_tok,
-                int64_t nh, int64_t group, int64_t dim, float scale, Scratch& buf) {
-  const int64_t start = window > 0 ? std::max<int64_t>(0, seq_len - window) : 0;
-  const int64_t n = seq_len - start, rows = nh * group;
+void decode_seq(const Q* q, Q* out, const Partial* part, const T* kc, const T* vc, const int64_t* table, int64_t lo,
+                int64_t hi, int64_t block_size, int64_t kv_stride_block, int64_t kv_stride_tok, int64_t nh,
+                int64_t group, int64_t dim, float scale, Scratch& buf) {
+  const int64_t n = hi - lo, rows = nh * group;
   buf.scores.resize(rows * n);
   buf.q.resize(rows * dim);
   buf.rows.resize(n);
@@ -217,16 +228,22 @@ void decode_seq(const Q* q, Q* out, const T* kc, const T* vc, const int64_t* tab
   int64_t* offs = buf.rows.data();
   for (int64_t i = 0; i < rows * dim; ++i) qf[i] = to_f(q[i]) * scale;
   // Cache offsets block by block (a division per position cost more than pass 1 at short contexts).
-  for (int64_t pos = start; pos < seq_len;) {
-    const int64_t b = pos / block_size, end = std::min(seq_len, (b + 1) * block_size);
+  for (int64_t pos = lo; pos < hi;) {
+    const int64_t b = pos / block_size, end = std::min(hi, (b + 1) * block_size);
     const int64_t base = table[b] * kv_stride_block - b * block_size * kv_stride_tok;
-    for (; pos < end; ++pos) offs[pos - start] = base + pos * kv_stride_tok;
+    for (; pos < end; ++pos) offs[pos - lo] = base + pos * kv_stride_tok;
   }
+  const auto probabilities = [&] {
+    for (int64_t r = 0; r < rows; ++r)
+      softmax(scores + r * n, n, part ? part->max + r : nullptr, part ? part->sum + r : nullptr);
+  };
   if constexpr (kVectorCache<T>) {
     if (dim % kWidth == 0) {
       scores_vec(qf, kc, offs, n, nh, group, dim, scores);
-      for (int64_t r = 0; r < rows; ++r) softmax(scores + r * n, n);
-      if constexpr (std::is_same_v<Q, float>) {
+      probabilities();
+      if (part) {
+        values_vec(scores, vc, offs, n, nh, group, dim, part->acc);
+      } else if constexpr (std::is_same_v<Q, float>) {
         values_vec(scores, vc, offs, n, nh, group, dim, out);
       } else {  // summed in float32, rounded once
         buf.acc.resize(rows * dim);
@@ -239,36 +256,93 @@ void decode_seq(const Q* q, Q* out, const T* kc, const T* vc, const int64_t* tab
   // Pass 1: scores = q . k for every visible key; each K row serves the G heads that share it.
   for (int64_t i = 0; i < n; ++i)
     for (int64_t r = 0; r < rows; ++r) scores[r * n + i] = dot_scalar(qf + r * dim, kc + offs[i] + (r / group) * dim, dim);
-  for (int64_t r = 0; r < rows; ++r) softmax(scores + r * n, n);
+  probabilities();
   // Pass 2: out = sum_j p_j v_j, element-wise over d.
   buf.acc.assign(rows * dim, 0.f);
   float* acc = buf.acc.data();
   for (int64_t i = 0; i < n; ++i)
     for (int64_t r = 0; r < rows; ++r) accumulate_scalar(acc + r * dim, scores[r * n + i], vc + offs[i] + (r / group) * dim, dim);
-  for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<Q>(acc[i]);
+  if (part) {
+    std::copy(acc, acc + rows * dim, part->acc);
+  } else {
+    for (int64_t i = 0; i < rows * dim; ++i) out[i] = static_cast<Q>(acc[i]);
+  }
 }
 
-// Tasks [0, batch * splits) (sequence b's are b * splits ...) cut into `parts` consecutive ranges
-// of about equal work, a task's work being the positions it reads plus a fixed cost: ranges of
-// equal task counts left one thread waiting on the other when contexts differ (a batch's
-// sequences do). Part t is [bounds[t], bounds[t + 1]).
-std::vector<int64_t> balanced_ranges(const int64_t* lens, int64_t batch, int64_t splits, int64_t window,
-                                     int64_t parts) {
-  constexpr int64_t kTaskCost = 16;  // positions' worth of per-task work (query, offsets, softmax)
-  std::vector<int64_t> cost(batch * splits + 1, 0);
-  for (int64_t i = 0; i < batch * splits; ++i) {
-    const int64_t len = lens[i / splits];
-    cost[i + 1] = cost[i] + (window > 0 ? std::min(len, window) : len) + kTaskCost;
+// out row r = sum_c e^(max_c - M) acc_c / sum_c e^(max_c - M) sum_c over a sequence's parts c
+// (M: the largest max), as one softmax over all its positions would give.
+template <typename Q>
+void merge_parts(const std::vector<Partial>& parts, int64_t rows, int64_t dim, Q* out, std::vector<float>& acc) {
+  acc.assign(dim, 0.f);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
+    for (const Partial& p : parts) m = std::max(m, p.max[r]);
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (const Partial& p : parts) {
+      const float w = std::exp(p.max[r] - m);
+      sum += w * p.sum[r];
+      for (int64_t d = 0; d < dim; ++d) acc[d] += w * p.acc[r * dim + d];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = static_cast<Q>(acc[d] * inv);
   }
-  std::vector<int64_t> bounds(parts + 1, batch * splits);
+}
+
+// Tasks cut into `parts` consecutive ranges of about equal work (cost: a task's positions to read
+// plus a fixed cost): ranges of equal task counts left one thread waiting on the other when
+// contexts differ (a batch's sequences do). Part t is [bounds[t], bounds[t + 1]).
+std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& positions, int64_t parts) {
+  constexpr int64_t kTaskCost = 16;  // positions' worth of per-task work (query, offsets, softmax)
+  const int64_t tasks = static_cast<int64_t>(positions.size());
+  std::vector<int64_t> cost(tasks + 1, 0);
+  for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + positions[i] + kTaskCost;
+  std::vector<int64_t> bounds(parts + 1, tasks);
   bounds[0] = 0;
   for (int64_t t = 1, i = 0; t < parts; ++t) {
     const int64_t target = cost.back() * t / parts;
-    while (i < batch * splits && cost[i + 1] <= target) ++i;
-    if (i < batch * splits && cost[i + 1] - target < target - cost[i]) ++i;  // mostly before the cut: left
+    while (i < tasks && cost[i + 1] <= target) ++i;
+    if (i < tasks && cost[i + 1] - target < target - cost[i]) ++i;  // mostly before the cut: left
     bounds[t] = i;
   }
   return bounds;
+}
+
+// A unit of a call's work: sequence seq's KV heads [h0, h0 + nh) over positions [lo, hi); part:
+// its Partial's index when [lo, hi) is a piece of the visible positions, else -1.
+struct Task {
+  int64_t seq, h0, lo, hi, part;
+};
+
+// Positions per piece, at the least, when a sequence's positions are cut into pieces.
+constexpr int64_t kMinPiece = 128;
+
+// The call's tasks (and nh, the KV heads each covers): a batch of at least two sequences per thread
+// runs a task per sequence. Fewer sequences with short contexts run a task per sequence and KV
+// head; with long ones each sequence's positions are cut into up to `threads` pieces of all its
+// KV heads, merged after (a task per head left a thread with two of SmolLM's three heads while
+// the other had one, and reads each position's row in thirds).
+std::vector<Task> plan_tasks(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t window, int64_t threads,
+                             int64_t& nh, int64_t& num_parts) {
+  std::vector<Task> tasks;
+  tasks.reserve(batch * std::max(kv_heads, threads));
+  const auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
+  int64_t longest = 0;
+  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first(b));
+  nh = kv_heads, num_parts = 0;
+  if (batch >= 2 * threads) {
+    for (int64_t b = 0; b < batch; ++b) tasks.push_back({b, 0, first(b), lens[b], -1});
+  } else if (longest < 2 * kMinPiece) {
+    nh = 1;
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({b, h, first(b), lens[b], -1});
+  } else {
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t lo = first(b), n = lens[b] - lo, pieces = std::clamp<int64_t>(n / kMinPiece, 1, threads);
+      for (int64_t c = 0; c < pieces; ++c)
+        tasks.push_back({b, 0, lo + n * c / pieces, lo + n * (c + 1) / pieces, pieces > 1 ? num_parts++ : -1});
+    }
+  }
+  return tasks;
 }
 
 }  // namespace
@@ -289,21 +363,42 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   const int64_t q_row_stride = query.stride(0);
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  // A task is a sequence with all its KV heads; a batch too small to keep every thread busy
-  // is split per KV head instead.
-  const int64_t threads = at::get_num_threads(), splits = batch >= 2 * threads ? 1 : kv_heads;
-  const int64_t nh = kv_heads / splits;
-  const std::vector<int64_t> bounds = balanced_ranges(lens, batch, splits, window, threads);
+  const int64_t threads = at::get_num_threads();
+  int64_t nh = 0, num_parts = 0;
+  const std::vector<Task> tasks = plan_tasks(lens, batch, kv_heads, window, threads, nh, num_parts);
+  std::vector<int64_t> positions(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) positions[i] = tasks[i].hi - tasks[i].lo;
+  const std::vector<int64_t> bounds = balanced_ranges(positions, threads);
+  // Pieces' sums: per piece heads * dim accumulators, then heads maxima and heads sums.
+  const int64_t part_floats = heads * (dim + 2);
+  std::vector<float> part_data(num_parts * part_floats);
+  std::vector<Partial> parts(num_parts);
+  for (int64_t p = 0; p < num_parts; ++p) {
+    float* base = part_data.data() + p * part_floats;
+    parts[p] = {base, base + heads * dim, base + heads * dim + heads};
+  }
   auto run = [&](auto* q, auto* o, const auto* kc, const auto* vc) {
     at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
       thread_local Scratch buf;  // grows to the longest context a thread has seen, then stays
       for (int64_t i = bounds[t0]; i < bounds[t1]; ++i) {
-        const int64_t b = i / splits, h0 = (i % splits) * nh;
-        decode_seq(q + b * q_row_stride + h0 * group * dim, o + (b * heads + h0 * group) * dim, kc + h0 * dim,
-                   vc + h0 * dim, table + b * max_blocks, lens[b], window, block_size, block_size * kv_heads * dim,
-                   kv_heads * dim, nh, group, dim, static_cast<float>(scale), buf);
+        const Task& t = tasks[i];
+        decode_seq(q + t.seq * q_row_stride + t.h0 * group * dim, o + (t.seq * heads + t.h0 * group) * dim,
+                   t.part >= 0 ? &parts[t.part] : nullptr, kc + t.h0 * dim, vc + t.h0 * dim,
+                   table + t.seq * max_blocks, t.lo, t.hi, block_size, block_size * kv_heads * dim, kv_heads * dim,
+                   nh, group, dim, static_cast<float>(scale), buf);
       }
     });
+    if (num_parts == 0) return;
+    std::vector<Partial> pieces;
+    std::vector<float> acc;
+    for (size_t i = 0; i < tasks.size();) {  // a sequence's pieces are consecutive tasks
+      size_t j = i;
+      pieces.clear();
+      for (; j < tasks.size() && tasks[j].seq == tasks[i].seq; ++j)
+        if (tasks[j].part >= 0) pieces.push_back(parts[tasks[j].part]);
+      if (!pieces.empty()) merge_parts(pieces, heads, dim, o + tasks[i].seq * heads * dim, acc);
+      i = j;
+    }
   };
   const at::ScalarType cache_type = key_cache.scalar_type();
   TORCH_CHECK(value_cache.scalar_type() == cache_type && out.scalar_type() == query.scalar_type(),

@@ -187,3 +187,52 @@ def test_decode_attention_float32_queries_on_16_bit_caches(kernels, dim, dtype):
         kernels.paged_decode_attention(
             out.to(dtype), q.to(dtype), cache[0].float(), cache[1].float(), table, lens, 1.0, 0
         )
+
+
+@pytest.fixture
+def num_threads():
+    """Sets torch's intra-op thread count for the test, restoring it after."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+# 64: whole vectors on every level; 40: the scalar path on avx512, 5 vectors on avx2.
+@pytest.mark.parametrize("dim", [64, 40])
+@pytest.mark.parametrize("window", [0, 300])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("lens", [[1000], [700, 5], [300, 260, 40]])
+def test_decode_attention_cuts_few_long_sequences_into_pieces(kernels, num_threads, dim, window, threads, lens):
+    """Fewer sequences than two per thread with long contexts: each sequence's positions are cut
+    into up to one piece per thread, each piece's softmax sums merged after. The result is one
+    softmax over all positions (against SDPA), for every thread count and window."""
+    num_threads(threads)
+    torch.manual_seed(3)
+    heads, kv_heads, block = 9, 3, 16
+    lens = torch.tensor(lens)
+    blocks_each = -(-lens.max().item() // block)
+    table = (torch.randperm(len(lens) * blocks_each) + 1).view(len(lens), blocks_each)
+    cache = torch.randn(2, table.numel() + 1, block, kv_heads, dim)
+    q = torch.randn(len(lens), heads, dim) * 3  # peaked softmaxes: the pieces' maxima differ
+    out = torch.empty_like(q)
+    kernels.paged_decode_attention(out, q, cache[0], cache[1], table, lens, dim**-0.5, window)
+    for b, n in enumerate(lens.tolist()):
+        first = max(0, n - window) if window else 0
+        keys = cache[0][table[b]].reshape(-1, kv_heads, dim)[first:n]
+        values = cache[1][table[b]].reshape(-1, kv_heads, dim)[first:n]
+        ref = F.scaled_dot_product_attention(
+            q[b, :, None], keys.transpose(0, 1), values.transpose(0, 1), scale=dim**-0.5, enable_gqa=True
+        )[:, 0]
+        torch.testing.assert_close(out[b], ref, rtol=1e-5, atol=1e-5)
+    if len(lens) == 1:  # a 16-bit model's pieces: merged in float32, rounded once
+        out16 = torch.empty_like(q, dtype=torch.bfloat16)
+        cache16 = cache.bfloat16()
+        kernels.paged_decode_attention(out16, q.bfloat16(), cache16[0], cache16[1], table, lens, dim**-0.5, window)
+        first = max(0, lens[0].item() - window) if window else 0
+        keys = cache16[0][table[0]].reshape(-1, kv_heads, dim)[first : lens[0]].float()
+        values = cache16[1][table[0]].reshape(-1, kv_heads, dim)[first : lens[0]].float()
+        ref = F.scaled_dot_product_attention(
+            q[0, :, None].bfloat16().float(), keys.transpose(0, 1), values.transpose(0, 1), scale=dim**-0.5,
+            enable_gqa=True,
+        )[:, 0]
+        torch.testing.assert_close(out16[0].float(), ref, rtol=2 * 2**-8, atol=1e-5)
