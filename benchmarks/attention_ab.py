@@ -1,7 +1,7 @@
 """Decode attention kernel of a git ref against the working tree's, timed interleaved in one process.
 
     python -m benchmarks.attention_ab --base caa7533 [--rounds 7] [--threads 1 2] [--dtype bfloat16]
-        [--cache-dtype float16] [--shapes 64x300 64x1024]
+        [--cache-dtype float16] [--shapes 64x300 64x1024] [--layers 30]
 
 On a shared machine whose speed drifts by tens of percent from one minute to the next, two
 benchmark processes run minutes apart cannot tell a 20% kernel change from noise. This builds
@@ -68,10 +68,11 @@ def _shape(text: str) -> tuple[int, tuple[int, int]]:
     return shape
 
 
-def _time(op, out: torch.Tensor, args: tuple, calls: int) -> float:
+def _time(op, out: torch.Tensor, layers: list[tuple], calls: int) -> float:
+    """Seconds per call, the calls going round the layers' inputs."""
     start = time.perf_counter()
-    for _ in range(calls):
-        op(out, *args, 0.125, 0)
+    for i in range(calls):
+        op(out, *layers[i % len(layers)], 0.125, 0)
     return (time.perf_counter() - start) / calls
 
 
@@ -87,6 +88,14 @@ def main() -> None:
         default=None,
         choices=["bfloat16", "float16"],
         help="a 16-bit KV cache under a float32 query (--kv-cache-dtype); default: the query's dtype",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=1,
+        help="caches of this many layers (up to ~256 MB of them), each call the next layer's: with 30, "
+        "K/V come from memory as in a model's step, where the weights streaming past evict them "
+        "(default 1: one layer's, in cache between calls when small)",
     )
     p.add_argument(
         "--shapes",
@@ -107,20 +116,26 @@ def main() -> None:
     ops = {"base": _build(args.base, args.isa), "new": _build(None, args.isa)}
     generator = torch.Generator().manual_seed(0)
     print(
-        f"decode attention, {args.base} (base) vs working tree (new), {args.isa} build, {args.dtype}; median of {args.rounds}"
+        f"decode attention, {args.base} (base) vs working tree (new), {args.isa} build, {args.dtype}; "
+        f"median of {args.rounds}; --layers {args.layers}"
     )
     print("threads  seqs  context   base us    new us  new speed  base GB/s new GB/s (K/V read)")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for batch, ctx in shapes:
             q, *rest = _inputs(batch, ctx, generator, dtype, cache_dtype)
+            layer_bytes = 2 * rest[0].numel() * cache_dtype.itemsize
+            layers = [(q, *rest)]
+            for _ in range(min(args.layers, -(-(256 << 20) // layer_bytes)) - 1):
+                cache = torch.randn(2, *rest[0].shape, generator=generator).to(cache_dtype)
+                layers.append((q, cache[0], cache[1], *rest[2:]))
             outs = {k: torch.empty_like(q) for k in ops}
             tokens = int(rest[-1].sum())
             calls = max(3, 20_000 // tokens)  # a few ms per timed batch
             times: dict[str, list[float]] = {k: [] for k in ops}
             for _ in range(args.rounds):
                 for k, op in ops.items():
-                    times[k].append(_time(op, outs[k], (q, *rest), calls))
+                    times[k].append(_time(op, outs[k], layers, calls))
             torch.testing.assert_close(outs["new"], outs["base"], **tol)
             base, new = (statistics.median(times[k]) for k in ("base", "new"))
             kv_bytes = tokens * 2 * 3 * 64 * cache_dtype.itemsize  # K and V rows read per call

@@ -160,13 +160,21 @@ constexpr int64_t kAhead = 32;
 
 // Pass 1 on the vector path: scores[r * n + i] for every query row r against every visible key,
 // in tiles of kKeys positions (their K rows stay in L1 while all the rows use them).
+// Its tiles from the one kAhead positions before the end prefetch the V rows of pass 2's first
+// kAhead positions (the same rows of vc), shared out over them.
 template <typename T>
-inline void scores_vec(const float* qf, const T* kc, const int64_t* rows, int64_t n, int64_t nh, int64_t group,
-                       int64_t dim, float* scores) {
-  for (int64_t i0 = 0; i0 < n; i0 += kKeys) {
+inline void scores_vec(const float* qf, const T* kc, const T* vc, const int64_t* rows, int64_t n, int64_t nh,
+                       int64_t group, int64_t dim, float* scores) {
+  const int64_t row_bytes = nh * dim * sizeof(T), tiles = (n + kKeys - 1) / kKeys;
+  const int64_t first_v = std::max<int64_t>(0, (n - kAhead + kKeys - 1) / kKeys), v_count = std::min(n, kAhead);
+  const int64_t v_share = (v_count + tiles - first_v - 1) / (tiles - first_v);
+  for (int64_t i0 = 0, tile = 0; i0 < n; i0 += kKeys, ++tile) {
     const int64_t np = std::min<int64_t>(kKeys, n - i0);
-    if (i0 + kAhead < n)
-      prefetch_rows(kc, rows + i0 + kAhead, std::min<int64_t>(kKeys, n - i0 - kAhead), sizeof(T), nh * dim * sizeof(T));
+    if (tile < first_v) {
+      prefetch_rows(kc, rows + i0 + kAhead, std::min<int64_t>(kKeys, n - i0 - kAhead), sizeof(T), row_bytes);
+    } else if (const int64_t v0 = (tile - first_v) * v_share; v0 < v_count) {
+      prefetch_rows(vc, rows + v0, std::min(v_share, v_count - v0), sizeof(T), row_bytes);
+    }
     const T* k[kKeys];
     for (int64_t p = 0; p < np; ++p) k[p] = kc + rows[i0 + p];
     for (int64_t r = 0; r < nh * group; ++r) {
@@ -220,6 +228,16 @@ void decode_seq(const Q* q, Q* out, const Partial* part, const T* kc, const T* v
                 int64_t hi, int64_t block_size, int64_t kv_stride_block, int64_t kv_stride_tok, int64_t nh,
                 int64_t group, int64_t dim, float scale, Scratch& buf) {
   const int64_t n = hi - lo, rows = nh * group;
+  if (n <= 0) {  // nothing visible (a zero length): zeros, as an empty sum
+    if (part) {
+      std::fill(part->acc, part->acc + rows * dim, 0.f);
+      std::fill(part->max, part->max + rows, -std::numeric_limits<float>::infinity());
+      std::fill(part->sum, part->sum + rows, 0.f);
+    } else {
+      std::fill(out, out + rows * dim, Q(0));
+    }
+    return;
+  }
   buf.scores.resize(rows * n);
   buf.q.resize(rows * dim);
   buf.rows.resize(n);
@@ -239,7 +257,8 @@ void decode_seq(const Q* q, Q* out, const Partial* part, const T* kc, const T* v
   };
   if constexpr (kVectorCache<T>) {
     if (dim % kWidth == 0) {
-      scores_vec(qf, kc, offs, n, nh, group, dim, scores);
+      prefetch_rows(kc, offs, std::min(n, kAhead), sizeof(T), nh * dim * sizeof(T));  // pass 1's first rows
+      scores_vec(qf, kc, vc, offs, n, nh, group, dim, scores);
       probabilities();
       if (part) {
         values_vec(scores, vc, offs, n, nh, group, dim, part->acc);

@@ -232,7 +232,21 @@ def test_decode_attention_cuts_few_long_sequences_into_pieces(kernels, num_threa
         keys = cache16[0][table[0]].reshape(-1, kv_heads, dim)[first : lens[0]].float()
         values = cache16[1][table[0]].reshape(-1, kv_heads, dim)[first : lens[0]].float()
         ref = F.scaled_dot_product_attention(
-            q[0, :, None].bfloat16().float(), keys.transpose(0, 1), values.transpose(0, 1), scale=dim**-0.5,
+            q[0, :, None].bfloat16().float(),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            scale=dim**-0.5,
             enable_gqa=True,
         )[:, 0]
         torch.testing.assert_close(out16[0].float(), ref, rtol=2 * 2**-8, atol=1e-5)
+
+
+def test_decode_attention_of_an_empty_context_is_zero(kernels):
+    """A sequence with nothing to attend to (length 0) gets zeros, an empty sum, beside others."""
+    cache = torch.randn(2, 4, 16, 3, 64)
+    q = torch.randn(2, 9, 64)
+    out = torch.full_like(q, float("nan"))
+    kernels.paged_decode_attention(
+        out, q, cache[0], cache[1], torch.tensor([[1, 2], [3, 0]]), torch.tensor([0, 20]), 0.125, 0
+    )
+    assert torch.equal(out[0], torch.zeros(9, 64)) and torch.isfinite(out[1]).all() and out[1].abs().sum() > 0
