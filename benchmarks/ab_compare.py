@@ -3,6 +3,7 @@
 the machine's speed hits both sides alike.
 
     python -m benchmarks.ab_compare --base 06e3832 --new HEAD --rounds 3 [--temperature 1.0]
+        [--benchmarks latency] [--decode-prompt-len 1000]
 
 Each commit is checked out into a temporary git worktree and run from there
 (``PYTHONPATH=<worktree>``), so the package under test is exactly that commit. Prints one
@@ -100,10 +101,20 @@ def main() -> int:
         default=None,
         help="passed to bench latency (both refs must know the flag; default: its greedy decoding)",
     )
+    p.add_argument(
+        "--decode-prompt-len",
+        type=int,
+        default=None,
+        help="passed to bench latency: each decode sequence's context (default: its short prompts)",
+    )
     p.add_argument("--output-json", default=None, metavar="PATH")
     args = p.parse_args()
+    latency = list(LATENCY)
     if args.temperature is not None:
-        BENCHMARKS["latency"] = ([*LATENCY, "--temperature", str(args.temperature)], latency_figures)
+        latency += ["--temperature", str(args.temperature)]
+    if args.decode_prompt_len is not None:
+        latency += ["--decode-prompt-len", str(args.decode_prompt_len)]
+    BENCHMARKS["latency"] = (latency, latency_figures)
     samples: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     with tempfile.TemporaryDirectory(prefix="pagedllm-ab-") as tmp:
         trees = {side: checkout(getattr(args, side), Path(tmp) / side) for side in ("base", "new")}
