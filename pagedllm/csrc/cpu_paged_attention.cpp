@@ -33,7 +33,7 @@ inline Vec load_kv(const float* p) { return load(p); }
 inline Vec load_kv(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
 inline Vec load_kv(const c10::Half* p) { return load_f16(reinterpret_cast<const uint16_t*>(p)); }
 
-// Per-thread scratch, reused across the (sequence, KV head) tasks a thread runs.
+// Per-thread scratch, reused across the tasks a thread runs.
 struct Scratch {
   std::vector<float> q, scores, acc;
   std::vector<int64_t> rows;  // cache offset of each visible position's row
@@ -146,13 +146,15 @@ inline void softmax(float* s, int64_t n, float* max_out = nullptr, float* sum_ou
   for (i = 0; i < n; ++i) s[i] *= inv;
 }
 
-// The cache rows (bytes each) of positions [i, i + count) into L2, one prefetch per line: blocks
-// lie anywhere in the pool, so the hardware prefetcher, which stops at page boundaries, would
-// start every block cold.
+// The cache rows at rows[0, count) (elements of elem bytes from base; bytes each) into L2, one
+// prefetch per 64-byte line they touch: blocks lie anywhere in the pool, so the hardware
+// prefetcher, which stops at page boundaries, would start every block cold.
 inline void prefetch_rows(const void* base, const int64_t* rows, int64_t count, int64_t elem, int64_t bytes) {
-  const char* b = static_cast<const char*>(base);
-  for (int64_t p = 0; p < count; ++p)
-    for (int64_t o = 0; o < bytes; o += 64) prefetch_l2(b + rows[p] * elem + o);
+  for (int64_t p = 0; p < count; ++p) {
+    const uintptr_t start = reinterpret_cast<uintptr_t>(base) + rows[p] * elem;
+    for (uintptr_t line = start & ~uintptr_t(63); line < start + bytes; line += 64)
+      prefetch_l2(reinterpret_cast<const void*>(line));
+  }
 }
 
 // Positions ahead of the tile in use whose rows are prefetched.
@@ -160,8 +162,8 @@ constexpr int64_t kAhead = 32;
 
 // Pass 1 on the vector path: scores[r * n + i] for every query row r against every visible key,
 // in tiles of kKeys positions (their K rows stay in L1 while all the rows use them).
-// Its tiles from the one kAhead positions before the end prefetch the V rows of pass 2's first
-// kAhead positions (the same rows of vc), shared out over them.
+// Each tile prefetches the K rows kAhead positions on; the tiles with none left there (the last
+// kAhead / kKeys) prefetch the V rows of pass 2's first kAhead positions instead, shared out.
 template <typename T>
 inline void scores_vec(const float* qf, const T* kc, const T* vc, const int64_t* rows, int64_t n, int64_t nh,
                        int64_t group, int64_t dim, float* scores) {
@@ -190,7 +192,8 @@ inline void scores_vec(const float* qf, const T* kc, const T* vc, const int64_t*
 // read of V from memory; sweeping all positions per row read V once per query head).
 constexpr int64_t kValueTile = 32;
 
-// Pass 2 on the vector path: out row r = sum_i p_ri v_i (float32), in column tiles of kOutVecs vectors.
+// Pass 2 on the vector path: out row r = sum_i p_ri v_i (float32), in tiles of kValueTile
+// positions (out holds the sums so far between them) and column tiles of kOutVecs vectors.
 template <typename T>
 inline void values_vec(const float* scores, const T* vc, const int64_t* rows, int64_t n, int64_t nh, int64_t group,
                        int64_t dim, float* out) {
@@ -297,24 +300,26 @@ void merge_parts(const std::vector<Partial>& parts, int64_t rows, int64_t dim, Q
     float m = -std::numeric_limits<float>::infinity(), sum = 0.f;
     for (const Partial& p : parts) m = std::max(m, p.max[r]);
     std::fill(acc.begin(), acc.end(), 0.f);
+    if (m == -std::numeric_limits<float>::infinity()) m = 0.f;  // no part saw a position: zeros
     for (const Partial& p : parts) {
+      if (p.max[r] == -std::numeric_limits<float>::infinity()) continue;
       const float w = std::exp(p.max[r] - m);
       sum += w * p.sum[r];
       for (int64_t d = 0; d < dim; ++d) acc[d] += w * p.acc[r * dim + d];
     }
-    const float inv = 1.f / sum;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
     for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = static_cast<Q>(acc[d] * inv);
   }
 }
 
-// Tasks cut into `parts` consecutive ranges of about equal work (cost: a task's positions to read
-// plus a fixed cost): ranges of equal task counts left one thread waiting on the other when
-// contexts differ (a batch's sequences do). Part t is [bounds[t], bounds[t + 1]).
-std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& positions, int64_t parts) {
+// Tasks cut into `parts` consecutive ranges of about equal work (a task's work: the positions it
+// reads, or a cost in such units, plus a fixed cost): ranges of equal task counts left one thread
+// waiting on the other when contexts differ (a batch's sequences do). Part t is [bounds[t], bounds[t + 1]).
+std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& work, int64_t parts) {
   constexpr int64_t kTaskCost = 16;  // positions' worth of per-task work (query, offsets, softmax)
-  const int64_t tasks = static_cast<int64_t>(positions.size());
+  const int64_t tasks = static_cast<int64_t>(work.size());
   std::vector<int64_t> cost(tasks + 1, 0);
-  for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + positions[i] + kTaskCost;
+  for (int64_t i = 0; i < tasks; ++i) cost[i + 1] = cost[i] + work[i] + kTaskCost;
   std::vector<int64_t> bounds(parts + 1, tasks);
   bounds[0] = 0;
   for (int64_t t = 1, i = 0; t < parts; ++t) {
@@ -335,33 +340,52 @@ struct Task {
 // Positions per piece, at the least, when a sequence's positions are cut into pieces.
 constexpr int64_t kMinPiece = 128;
 
+// The most work any thread gets when tasks of these costs are cut by balanced_ranges.
+int64_t makespan(const std::vector<int64_t>& cost, int64_t threads) {
+  const std::vector<int64_t> bounds = balanced_ranges(cost, threads);
+  int64_t worst = 0;
+  for (int64_t t = 0; t < threads; ++t) {
+    int64_t sum = 0;
+    for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) sum += cost[i];
+    worst = std::max(worst, sum);
+  }
+  return worst;
+}
+
 // The call's tasks (and nh, the KV heads each covers): a batch of at least two sequences per thread
-// runs a task per sequence. Fewer sequences with short contexts run a task per sequence and KV
-// head; with long ones each sequence's positions are cut into up to `threads` pieces of all its
-// KV heads, merged after (a task per head left a thread with two of SmolLM's three heads while
-// the other had one, and reads each position's row in thirds).
+// runs a task per sequence. Fewer sequences either run a task per sequence and KV head, or cut
+// each sequence's positions into pieces of at least kMinPiece positions (up to 2 * threads /
+// batch of them, at most threads), all its KV heads each, merged after: whichever leaves the
+// busiest thread less to read, a head's third of each position's row counting 1.5x (read from
+// memory it ran at about half the speed of whole rows). A task per head left one of 2 threads
+// two of SmolLM's three heads; many threads and few positions favour the heads.
 std::vector<Task> plan_tasks(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t window, int64_t threads,
                              int64_t& nh, int64_t& num_parts) {
   std::vector<Task> tasks;
-  tasks.reserve(batch * std::max(kv_heads, threads));
   const auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
-  int64_t longest = 0;
-  for (int64_t b = 0; b < batch; ++b) longest = std::max(longest, lens[b] - first(b));
   nh = kv_heads, num_parts = 0;
   if (batch >= 2 * threads) {
     for (int64_t b = 0; b < batch; ++b) tasks.push_back({b, 0, first(b), lens[b], -1});
-  } else if (longest < 2 * kMinPiece) {
-    nh = 1;
-    for (int64_t b = 0; b < batch; ++b)
-      for (int64_t h = 0; h < kv_heads; ++h) tasks.push_back({b, h, first(b), lens[b], -1});
-  } else {
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t lo = first(b), n = lens[b] - lo, pieces = std::clamp<int64_t>(n / kMinPiece, 1, threads);
-      for (int64_t c = 0; c < pieces; ++c)
-        tasks.push_back({b, 0, lo + n * c / pieces, lo + n * (c + 1) / pieces, pieces > 1 ? num_parts++ : -1});
+    return tasks;
+  }
+  std::vector<Task> heads, pieces;
+  std::vector<int64_t> head_cost, piece_cost;  // in 1 / (2 kv_heads) of a whole row per position
+  const int64_t max_pieces = std::clamp<int64_t>((2 * threads + batch - 1) / std::max<int64_t>(batch, 1), 1, threads);
+  int64_t parts = 0;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t lo = first(b), n = lens[b] - lo, count = std::clamp<int64_t>(n / kMinPiece, 1, max_pieces);
+    for (int64_t h = 0; h < kv_heads; ++h) heads.push_back({b, h, lo, lens[b], -1}), head_cost.push_back(3 * n);
+    for (int64_t c = 0; c < count; ++c) {
+      pieces.push_back({b, 0, lo + n * c / count, lo + n * (c + 1) / count, count > 1 ? parts++ : -1});
+      piece_cost.push_back(2 * kv_heads * (pieces.back().hi - pieces.back().lo));
     }
   }
-  return tasks;
+  if (makespan(head_cost, threads) <= makespan(piece_cost, threads)) {
+    nh = 1;
+    return heads;
+  }
+  num_parts = parts;
+  return pieces;
 }
 
 }  // namespace
@@ -378,6 +402,9 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   TORCH_CHECK(block_table.is_contiguous() && seq_lens.is_contiguous(), "tables must be contiguous");
   const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
   const int64_t block_size = key_cache.size(1), kv_heads = key_cache.size(2);
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0 && key_cache.size(3) == dim,
+              "paged_decode_attention: ", heads, " query heads of ", dim, " features over ", kv_heads,
+              " KV heads of ", key_cache.size(3), ": the query heads must be a multiple of the KV heads, of one size");
   const int64_t group = heads / kv_heads, max_blocks = block_table.size(1);
   const int64_t q_row_stride = query.stride(0);
   const int64_t* table = block_table.data_ptr<int64_t>();

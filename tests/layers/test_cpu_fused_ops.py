@@ -250,3 +250,12 @@ def test_decode_attention_of_an_empty_context_is_zero(kernels):
         out, q, cache[0], cache[1], torch.tensor([[1, 2], [3, 0]]), torch.tensor([0, 20]), 0.125, 0
     )
     assert torch.equal(out[0], torch.zeros(9, 64)) and torch.isfinite(out[1]).all() and out[1].abs().sum() > 0
+
+
+def test_decode_attention_rejects_heads_that_do_not_group(kernels):
+    cache = torch.randn(2, 4, 16, 3, 64)
+    q = torch.randn(1, 8, 64)  # 8 query heads over 3 KV heads
+    with pytest.raises(RuntimeError, match="multiple of the KV heads"):
+        kernels.paged_decode_attention(
+            torch.empty_like(q), q, cache[0], cache[1], torch.tensor([[1]]), torch.tensor([5]), 0.125, 0
+        )
