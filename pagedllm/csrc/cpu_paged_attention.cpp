@@ -340,11 +340,26 @@ struct Task {
 // Positions per piece, at the least, when a sequence's positions are cut into pieces.
 constexpr int64_t kMinPiece = 128;
 
-// The most work any thread gets when tasks of these costs are cut by balanced_ranges.
-int64_t makespan(const std::vector<int64_t>& cost, int64_t threads) {
-  const std::vector<int64_t> bounds = balanced_ranges(cost, threads);
+// How a call's work is shared: the tasks, thread t's [bounds[t], bounds[t + 1]) of them (balanced
+// on cost), the KV heads each task covers and how many Partials the pieces among them fill.
+struct Plan {
+  std::vector<Task> tasks;
+  std::vector<int64_t> cost, bounds;
+  int64_t nh, parts;
+};
+
+// plan with its bounds cut for `threads`.
+Plan share(Plan plan, int64_t threads) {
+  plan.bounds = balanced_ranges(plan.cost, threads);
+  return plan;
+}
+
+// The most work any thread gets under the plan.
+int64_t makespan(const Plan& plan) {
+  const std::vector<int64_t>& bounds = plan.bounds;
+  const std::vector<int64_t>& cost = plan.cost;
   int64_t worst = 0;
-  for (int64_t t = 0; t < threads; ++t) {
+  for (size_t t = 0; t + 1 < bounds.size(); ++t) {
     int64_t sum = 0;
     for (int64_t i = bounds[t]; i < bounds[t + 1]; ++i) sum += cost[i];
     worst = std::max(worst, sum);
@@ -352,40 +367,35 @@ int64_t makespan(const std::vector<int64_t>& cost, int64_t threads) {
   return worst;
 }
 
-// The call's tasks (and nh, the KV heads each covers): a batch of at least two sequences per thread
-// runs a task per sequence. Fewer sequences either run a task per sequence and KV head, or cut
+// The call's plan: a batch of at least two sequences per thread runs a task per sequence. Fewer sequences either run a task per sequence and KV head, or cut
 // each sequence's positions into pieces of at least kMinPiece positions (up to 2 * threads /
 // batch of them, at most threads), all its KV heads each, merged after: whichever leaves the
 // busiest thread less to read, a head's third of each position's row counting 1.5x (read from
 // memory it ran at about half the speed of whole rows). A task per head left one of 2 threads
 // two of SmolLM's three heads; many threads and few positions favour the heads.
-std::vector<Task> plan_tasks(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t window, int64_t threads,
-                             int64_t& nh, int64_t& num_parts) {
-  std::vector<Task> tasks;
+Plan plan_tasks(const int64_t* lens, int64_t batch, int64_t kv_heads, int64_t window, int64_t threads) {
   const auto first = [&](int64_t b) { return window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0; };
-  nh = kv_heads, num_parts = 0;
   if (batch >= 2 * threads) {
-    for (int64_t b = 0; b < batch; ++b) tasks.push_back({b, 0, first(b), lens[b], -1});
-    return tasks;
+    Plan whole{{}, {}, {}, kv_heads, 0};
+    for (int64_t b = 0; b < batch; ++b)
+      whole.tasks.push_back({b, 0, first(b), lens[b], -1}), whole.cost.push_back(lens[b] - first(b));
+    return share(std::move(whole), threads);
   }
-  std::vector<Task> heads, pieces;
-  std::vector<int64_t> head_cost, piece_cost;  // in 1 / (2 kv_heads) of a whole row per position
+  // Costs in 1 / (2 kv_heads) of a whole row per position.
+  Plan heads{{}, {}, {}, 1, 0}, pieces{{}, {}, {}, kv_heads, 0};
   const int64_t max_pieces = std::clamp<int64_t>((2 * threads + batch - 1) / std::max<int64_t>(batch, 1), 1, threads);
-  int64_t parts = 0;
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t lo = first(b), n = lens[b] - lo, count = std::clamp<int64_t>(n / kMinPiece, 1, max_pieces);
-    for (int64_t h = 0; h < kv_heads; ++h) heads.push_back({b, h, lo, lens[b], -1}), head_cost.push_back(3 * n);
+    for (int64_t h = 0; h < kv_heads; ++h) heads.tasks.push_back({b, h, lo, lens[b], -1}), heads.cost.push_back(3 * n);
     for (int64_t c = 0; c < count; ++c) {
-      pieces.push_back({b, 0, lo + n * c / count, lo + n * (c + 1) / count, count > 1 ? parts++ : -1});
-      piece_cost.push_back(2 * kv_heads * (pieces.back().hi - pieces.back().lo));
+      const int64_t p0 = lo + n * c / count, p1 = lo + n * (c + 1) / count;
+      pieces.tasks.push_back({b, 0, p0, p1, count > 1 ? pieces.parts++ : -1});
+      pieces.cost.push_back(2 * kv_heads * (p1 - p0));
     }
   }
-  if (makespan(head_cost, threads) <= makespan(piece_cost, threads)) {
-    nh = 1;
-    return heads;
-  }
-  num_parts = parts;
-  return pieces;
+  heads = share(std::move(heads), threads);
+  pieces = share(std::move(pieces), threads);
+  return makespan(heads) <= makespan(pieces) ? heads : pieces;
 }
 
 }  // namespace
@@ -410,11 +420,10 @@ void paged_decode_attention(at::Tensor out, at::Tensor query, at::Tensor key_cac
   const int64_t* table = block_table.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
   const int64_t threads = at::get_num_threads();
-  int64_t nh = 0, num_parts = 0;
-  const std::vector<Task> tasks = plan_tasks(lens, batch, kv_heads, window, threads, nh, num_parts);
-  std::vector<int64_t> positions(tasks.size());
-  for (size_t i = 0; i < tasks.size(); ++i) positions[i] = tasks[i].hi - tasks[i].lo;
-  const std::vector<int64_t> bounds = balanced_ranges(positions, threads);
+  const Plan plan = plan_tasks(lens, batch, kv_heads, window, threads);
+  const std::vector<Task>& tasks = plan.tasks;
+  const std::vector<int64_t>& bounds = plan.bounds;
+  const int64_t nh = plan.nh, num_parts = plan.parts;
   // Pieces' sums: per piece heads * dim accumulators, then heads maxima and heads sums.
   const int64_t part_floats = heads * (dim + 2);
   std::vector<float> part_data(num_parts * part_floats);
