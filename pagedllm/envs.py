@@ -45,6 +45,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "0 runs CPU decode steps layer by layer in Python instead of one C++ call for the decoder stack",
         ),
         EnvVar(
+            "PAGEDLLM_HUGE_PAGES",
+            "1",
+            "0 keeps CPU weights and the KV cache out of transparent huge pages (default: their mappings ask "
+            "for 2 MiB pages with MADV_HUGEPAGE)",
+        ),
+        EnvVar(
             "PAGEDLLM_KEEP_FREED_MEMORY",
             "1",
             "0 leaves glibc's allocator thresholds alone (default: once loaded, a CPU worker keeps freed blocks "

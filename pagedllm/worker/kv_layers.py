@@ -15,6 +15,7 @@ import torch
 
 from pagedllm.layers.attention import Attention
 from pagedllm.layers.attention.backends.base import AttentionBackend
+from pagedllm.worker.host_memory import anonymous_pages
 
 
 def attention_layers(models: Iterable[torch.nn.Module]) -> list[Attention]:
@@ -43,8 +44,8 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     """A zero-filled cache. Zeroed, not empty: padded reads of unused slots are masked, but NaN
     garbage would still poison the attention matmul (0 * NaN = NaN). On CPU it is made of fresh
     anonymous pages, which the OS zero-fills on first touch: no start-up pass writing GiBs of
-    zeros, and only the blocks in use take memory."""
+    zeros, and only the blocks in use take memory (in 2 MiB huge pages where the kernel gives
+    them: ``host_memory.anonymous_pages``)."""
     if device.type != "cpu" or not hasattr(mmap, "MAP_PRIVATE"):
         return torch.zeros(shape, dtype=dtype, device=device)
-    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    return torch.frombuffer(pages, dtype=dtype).view(shape)  # the tensor keeps the mapping alive
+    return anonymous_pages(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)

@@ -28,7 +28,7 @@ from pagedllm.sampling.sampler import compute_logprobs_topk
 from pagedllm.sampling_params import SamplingParams
 from pagedllm.worker.cuda_graph import graphs_enabled
 from pagedllm.worker.flat_batch import build_flat_batch
-from pagedllm.worker.host_memory import keep_freed_memory
+from pagedllm.worker.host_memory import keep_freed_memory, weights_to_huge_pages
 from pagedllm.worker.kv_layers import attention_layers
 from pagedllm.worker.model_runner import ModelRunner
 from pagedllm.worker.threads import set_intra_op_threads
@@ -117,6 +117,10 @@ class Worker:
         if build is not None:  # not every model waits for it while loading; the first step must not
             with self.startup.phase("rest of the kernel build"):
                 build.join()
+        if self.device.type == "cpu":
+            with self.startup.phase("weights into huge pages"):  # one mapping per model (a draft has its own)
+                for model in self.model_runner.models:
+                    weights_to_huge_pages(model)
 
     def _start_cpu_kernels(self) -> threading.Thread | None:
         """Load the cached CPU kernel build now, or start compiling it in the background."""

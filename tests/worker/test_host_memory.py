@@ -5,8 +5,10 @@ from __future__ import annotations
 import platform
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
 from pagedllm.worker import host_memory
 
@@ -64,3 +66,74 @@ def test_turned_off_or_left_to_the_users_glibc_tunables(monkeypatch):
     assert host_memory.keep_freed_memory() is False
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "131072")
     assert host_memory.keep_freed_memory() is False
+
+
+# ---- huge pages ----
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise(MADV_HUGEPAGE) and smaps are Linux's")
+
+
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (smaps)."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(a, 16) for a in head.split("-"))
+            mapping = lo <= address < hi
+        elif mapping and line.startswith("VmFlags:"):
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+class _Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(1024, 512)  # 2 MiB: the arena is over one huge page
+        self.head = torch.nn.Linear(512, 1024, bias=False)
+        self.head.weight = self.embed.weight  # tied: one storage
+        self.norm = torch.nn.Parameter(torch.randn(512, dtype=torch.bfloat16), requires_grad=False)
+        self.register_buffer("packed", torch.randint(0, 255, (3, 40, 8), dtype=torch.uint8))
+        self.register_buffer("tail", self.packed[1:])  # a view of another buffer: stays a view
+
+
+@linux
+def test_weights_move_into_one_huge_page_mapping_unchanged(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    torch.manual_seed(0)
+    model = _Tied().requires_grad_(False)
+    tensors = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    before = {
+        name: (t.clone(), t.dtype, t.shape, t.stride(), t.untyped_storage().data_ptr()) for name, t in tensors.items()
+    }
+    ids = {name: id(t) for name, t in tensors.items()}
+    moved = host_memory.weights_to_huge_pages(model)
+    # Each storage once, 64-byte aligned: the embedding (tied), the norm, the packed buffer (its view shares it).
+    assert moved == 1024 * 512 * 4 + 1024 + 960
+    after = {name: t for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    arena = {t.untyped_storage().data_ptr() for t in after.values()}
+    assert len(arena) == 1 and next(iter(arena)) not in {b[4] for b in before.values()}
+    for name, t in after.items():
+        value, dtype, shape, stride, _ = before[name]
+        assert id(t) == ids[name] and t.dtype == dtype and t.shape == shape and t.stride() == stride
+        assert torch.equal(t, value), name
+    assert model.head.weight is model.embed.weight
+    assert model.tail.data_ptr() == model.packed[1:].data_ptr()
+    model.packed[1, 0, 0] = 7  # still a view of the packed buffer
+    assert model.tail[0, 0, 0] == 7
+    assert "hg" in _vm_flags(model.embed.weight.data_ptr())  # the mapping asked for huge pages
+    assert torch.equal(model.head(torch.ones(2, 512)), torch.ones(2, 512) @ before["embed.weight"][0].T)
+
+
+@linux
+def test_huge_pages_turned_off_or_too_small(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "0")
+    model = _Tied()
+    address = model.embed.weight.data_ptr()
+    assert host_memory.weights_to_huge_pages(model) == 0 and model.embed.weight.data_ptr() == address
+    assert "hg" not in _vm_flags(host_memory.anonymous_pages(4 << 20).data_ptr())
+    monkeypatch.setenv("PAGEDLLM_HUGE_PAGES", "1")
+    small = torch.nn.Linear(64, 64)
+    address = small.weight.data_ptr()
+    assert host_memory.weights_to_huge_pages(small) == 0 and small.weight.data_ptr() == address
+    pages = host_memory.anonymous_pages(4 << 20)
+    assert pages.numel() == 4 << 20 and not pages.any() and "hg" in _vm_flags(pages.data_ptr())
