@@ -5,7 +5,7 @@
 A SmolLM2-135M-shaped model's transformer linears (per layer qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536), packed as the engine packs them, are copied twice: into a mapping that
 asks for huge pages (``host_memory.anonymous_pages``, as the CPU worker places a model's weights:
-``weights_to_huge_pages``) and into one that does not (``PAGEDLLM_HUGE_PAGES=0`` while it is made).
+``weights_to_huge_pages``) and into one that does not.
 Each round runs one batch-1 step's linears, in model order, from each copy (the order alternating
 round by round) with each method's kernel; medians are reported with the ratio 4 KiB / huge. The
 first stdout lines say how much of the process's memory the kernel gave in huge pages
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -38,15 +37,7 @@ class Arena:
     """Tensors copied one after another (64-byte aligned) into one fresh anonymous mapping."""
 
     def __init__(self, nbytes: int, huge: bool) -> None:
-        previous = os.environ.get("PAGEDLLM_HUGE_PAGES")
-        os.environ["PAGEDLLM_HUGE_PAGES"] = "1" if huge else "0"
-        try:
-            self.pages = anonymous_pages(nbytes)
-        finally:
-            if previous is None:
-                del os.environ["PAGEDLLM_HUGE_PAGES"]
-            else:
-                os.environ["PAGEDLLM_HUGE_PAGES"] = previous
+        self.pages = anonymous_pages(nbytes, huge)
         self.used = 0
 
     def put(self, t: torch.Tensor) -> torch.Tensor:

@@ -49,7 +49,7 @@ def keep_freed_memory() -> bool:
     where it does not apply (not glibc, turned off, or the user set glibc's tunables)."""
     if not envs.enabled("PAGEDLLM_KEEP_FREED_MEMORY"):
         return False
-    if not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc":
+    if not _glibc():
         return False
     if (
         envs.get("MALLOC_MMAP_THRESHOLD_")
@@ -73,19 +73,22 @@ def keep_freed_memory() -> bool:
 # 4 KiB pages each page is a TLB entry to walk and the hardware prefetcher stops at its end; with
 # 2 MiB pages (transparent huge pages, which Linux gives an anonymous mapping that asks for them
 # with MADV_HUGEPAGE before its first touch, in the kernel's default "madvise" mode) a 64 MB
-# stream is 32 pages. SmolLM2-shaped int4 linears at one row (2 threads, Zen 4) took 1.08-1.09x
-# less time from huge pages (docs/benchmarks.md). Weights are many tensors of under 2 MiB, so they
-# are copied into one mapping (weights_to_huge_pages); the KV cache is its own mapping.
+# stream is 32 pages. On Zen 4 (2 threads) SmolLM2-shaped float32 decode steps at 1000-token
+# contexts took 1.05-1.08x less time with them; its linears alone 1.01-1.09x (benchmarks.huge_pages,
+# docs/benchmarks.md). Weights are many tensors of under 2 MiB, so they are copied into one mapping
+# (weights_to_huge_pages); the KV cache is its own mapping.
 HUGE_PAGE = 2 << 20
 _ALIGN = 64  # each storage's start in the arena: a cache line, and every dtype's size divides it
 
 
-def anonymous_pages(nbytes: int) -> torch.Tensor:
+def anonymous_pages(nbytes: int, huge: bool | None = None) -> torch.Tensor:
     """``nbytes`` of fresh anonymous memory as a uint8 tensor, zero-filled by the OS on first touch
-    (no pass writing zeros) and in huge pages where the kernel gives them (PAGEDLLM_HUGE_PAGES=0:
-    never asked for). The tensor keeps the mapping alive."""
+    (no pass writing zeros) and, if ``huge`` (default: unless PAGEDLLM_HUGE_PAGES=0), in huge pages
+    where the kernel gives them. The tensor keeps the mapping alive."""
+    if huge is None:
+        huge = envs.enabled("PAGEDLLM_HUGE_PAGES")
     pages = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if nbytes >= HUGE_PAGE and envs.enabled("PAGEDLLM_HUGE_PAGES") and hasattr(mmap, "MADV_HUGEPAGE"):
+    if huge and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         with contextlib.suppress(OSError):  # a kernel without transparent huge pages: 4 KiB pages as before
             pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=torch.uint8)[:nbytes]
@@ -147,5 +150,10 @@ def release_freed_memory() -> None:
     """Hand the free pages of glibc's heap back to the kernel (malloc_trim); a no-op elsewhere. Freed
     tensors below glibc's mmap threshold stay in the heap, mapped, until then: after moving SmolLM2's
     float32 weights the process held 1.03-1.30 GB instead of 0.98."""
-    if sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc":
+    if _glibc():
         ctypes.CDLL(None).malloc_trim(0)
+
+
+def _glibc() -> bool:
+    """Linux with glibc's allocator (mallopt, malloc_trim)."""
+    return sys.platform.startswith("linux") and platform.libc_ver()[0] == "glibc"
