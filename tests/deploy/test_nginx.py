@@ -94,14 +94,16 @@ def _timed_reads(url: str) -> tuple[list[str], list[float]]:
 
 
 def test_stream_arrives_event_by_event_through_nginx(live_server, proxy):
-    """Through nginx the events come in about as many separate reads, spread over about as long,
-    as straight from the server. A buffering proxy hands them over in a few blobs (one, for this
-    short stream: tried with proxy_buffering on and gzip), which fails both checks."""
+    """Through nginx the events come in many separate reads, spread over about as long as straight
+    from the server. A buffering proxy hands them over in a few blobs (one, for this short stream:
+    tried with proxy_buffering on and gzip), which fails both checks. Not "as many reads as direct":
+    on a busy machine nginx's worker runs late and coalesces what has piled up (161 events came in
+    12-21 reads with three busy loops beside the test), which is still a stream."""
     _timed_reads(live_server.server.url)  # warm-up: a first stream can be slow (lazy set-up) and skew the spread
     direct_events, direct = _timed_reads(live_server.server.url)
     events, arrivals = _timed_reads(proxy)
     assert len(events) == len(direct_events) == STREAM_TOKENS + 1 and events[-1] == "data: [DONE]"
-    assert len(arrivals) >= max(3, len(direct) // 2), (
+    assert len(arrivals) >= max(3, len(direct) // 20), (
         f"{len(events)} events in {len(arrivals)} reads ({len(direct)} direct)"
     )
     # Generous: the two streams are separate requests, each timed on a shared machine.
