@@ -117,6 +117,16 @@ def _silence(lc: Any) -> None:
         lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
 
 
+def extra_buffer_types() -> bool:
+    """Whether llama.cpp may repack weights into its extra CPU buffer types. Not on a CPU with AMX:
+    there llama-cpp-python 0.3.36 built for the machine (its AMX buffer type on) died with a
+    segmentation fault in the first batched llama_decode of a Q4_0 or Q8_0 model, which would take
+    the whole benchmark with it. Off, it also skips its Q4_0 repacking for AVX2 / AVX-512."""
+    from pagedllm import cpu_info
+
+    return not {"amx_tile", "amx_int8"} <= cpu_info.cpu_features()
+
+
 class LlamaCpp:
     """One llama.cpp model + context with ``n_seq`` parallel sequences."""
 
@@ -127,7 +137,10 @@ class LlamaCpp:
         self.lc = lc
         _silence(lc)
         lc.llama_backend_init()
-        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        model_params = lc.llama_model_default_params()
+        if not extra_buffer_types():
+            model_params.use_extra_bufts = False
+        self.model = lc.llama_model_load_from_file(str(path).encode(), model_params)
         if not self.model:
             raise RuntimeError(f"llama.cpp could not load {path}")
         params = lc.llama_context_default_params()
@@ -243,6 +256,7 @@ def latency(path: Path, args: argparse.Namespace, vocab: int) -> LatencyTimings:
     timings.note = (
         f"{weights_label(args)} GGUF, default KV type (f16), batch API with one sequence per slot; "
         "only llama_decode is timed"
+        + ("" if extra_buffer_types() else "; extra buffer types (AMX, repacked Q4_0) off on this AMX CPU")
     )
     return timings
 
