@@ -9,7 +9,9 @@ ISA levels, best first. Each is one build of the C++ kernel library (``layers/cp
 - ``portable``: no explicit vector code (the compiler's own vectorisation); any CPU.
 
 A level also uses the int8 dot-product extension the CPU has (AVX-512 VNNI, AVX-VNNI, Arm
-dotprod) for the W8A8 kernel; it is part of the build's name (``avx512+vnni``).
+dotprod) for the W8A8 kernel, and the avx512 build Intel AMX's int8 tiles where the CPU and the
+OS allow them (chosen at run time, not a separate build); both are part of the build's name
+(``avx512+vnni``, ``avx512+vnni+amx``).
 """
 
 from __future__ import annotations
@@ -106,10 +108,41 @@ def dot_extension(level: str) -> str | None:
     return name if flag and flag in cpu_features() else None
 
 
+def amx_int8(level: str) -> bool:
+    """Whether the ``level`` build's W8A8 kernel runs its AMX path here: the avx512 build with VNNI
+    on a CPU with AMX-TILE and AMX-INT8 (Intel Sapphire Rapids and later) whose kernel lets this
+    process use the tile registers (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, Linux 5.16+; asked here
+    as the kernel library asks, once per process); ``PAGEDLLM_AMX=0`` turns it off."""
+    from pagedllm import envs
+
+    features = cpu_features()
+    if (
+        not envs.enabled("PAGEDLLM_AMX")
+        or level != "avx512"
+        or dot_extension(level) is None
+        or not {"amx_tile", "amx_int8"} <= features
+    ):
+        return False
+    return _amx_permission()
+
+
+@lru_cache(maxsize=1)
+def _amx_permission() -> bool:
+    if platform.system() != "Linux" or machine() != "x86_64":
+        return False
+    import ctypes
+
+    arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+    libc = ctypes.CDLL(None, use_errno=True)
+    return bool(libc.syscall(arch_prctl, req_xcomp_perm, xfeature_xtiledata) == 0)
+
+
 def build_name(level: str) -> str:
-    """The kernel build's name: the level and its dot-product extension (``avx512+vnni``)."""
+    """The kernel build's name: the level, its dot-product extension and AMX where its W8A8 kernel
+    uses them (``avx512+vnni``, ``avx512+vnni+amx``)."""
     ext = dot_extension(level)
-    return f"{level}+{ext}" if ext else level
+    name = f"{level}+{ext}" if ext else level
+    return f"{name}+amx" if amx_int8(level) else name
 
 
 def usable_cpus() -> int:

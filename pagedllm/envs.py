@@ -45,6 +45,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "0 runs CPU decode steps layer by layer in Python instead of one C++ call for the decoder stack",
         ),
         EnvVar(
+            "PAGEDLLM_AMX",
+            "1",
+            "0 keeps the W8A8 kernel off Intel AMX's int8 tiles (default: used from 16 rows where the CPU has "
+            "AMX-INT8 and the OS lets the process use it; read once per process)",
+        ),
+        EnvVar(
             "PAGEDLLM_HUGE_PAGES",
             "1",
             "0 keeps CPU weights and the KV cache out of transparent huge pages (default: their mappings ask "

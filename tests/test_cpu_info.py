@@ -52,6 +52,16 @@ def test_dot_extension_names_the_build(monkeypatch):
     assert cpu_info.build_name("neon") == "neon+dotprod"
 
 
+@pytest.mark.parametrize("permitted", [True, False])
+def test_amx_names_the_build_where_the_os_permits_it(monkeypatch, permitted):
+    monkeypatch.setattr(cpu_info, "_amx_permission", lambda: permitted)
+    fake_cpu(monkeypatch, "x86_64", V4 | {"avx512_vnni", "amx_tile", "amx_int8"})
+    assert cpu_info.build_name("avx512") == ("avx512+vnni+amx" if permitted else "avx512+vnni")
+    assert cpu_info.build_name("avx2") == "avx2"  # the AMX path is the avx512 build's
+    fake_cpu(monkeypatch, "x86_64", V4 | {"amx_tile", "amx_int8"})  # AMX without VNNI: no amx path
+    assert cpu_info.build_name("avx512") == "avx512"
+
+
 @pytest.mark.parametrize(
     "flags,bf16,fp16",
     [(V4 | {"avx512_bf16"}, True, False), (V4 | {"avx512_fp16", "amx_bf16"}, True, True), (V3, False, False)],

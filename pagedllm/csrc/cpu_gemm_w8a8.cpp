@@ -33,6 +33,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <optional>
 #include <string>
 #include <type_traits>
@@ -40,6 +41,12 @@
 
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
+
+#if defined(__linux__) && defined(__x86_64__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -299,11 +306,22 @@ void quantize_row(const float* x, int64_t k, int64_t padded, bool to_unsigned, u
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
   *scale = amax > 0.f ? amax / 127.f : 1.f;
   const int32_t offset = to_unsigned ? 128 : 0;
-  for (int64_t j = 0; j < k; ++j) {
+  int64_t j = 0;
+#if defined(PAGEDLLM_VEC_AVX512)
+  // cvtps rounds half to even in the default rounding mode, as nearbyint does below.
+  const __m512 vinv = _mm512_set1_ps(inv);
+  for (; j + 16 <= k; j += 16) {
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + j), vinv));
+    v = _mm512_min_epi32(_mm512_max_epi32(v, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + j),
+                     _mm512_cvtepi32_epi8(_mm512_add_epi32(v, _mm512_set1_epi32(offset))));
+  }
+#endif
+  for (; j < k; ++j) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(x[j] * inv));
     q[j] = static_cast<uint8_t>(std::clamp(v, -127, 127) + offset);
   }
-  for (int64_t j = k; j < padded; ++j) q[j] = static_cast<uint8_t>(offset);
+  for (; j < padded; ++j) q[j] = static_cast<uint8_t>(offset);
 }
 
 // One thread's panels [p0, p1) for all rows, in blocks of rows that stay in L2. The thread
@@ -351,12 +369,156 @@ void run_path(const at::Tensor& x2, const at::Tensor& packed, const float* ws, c
   });
 }
 
+// ---- AMX (Intel AMX-INT8: Sapphire Rapids and later) ----
+// tdpbusd multiplies a tile of 16 rows x 64 unsigned activation bytes by a tile of 16 k4 rows x 16
+// outputs x 4 signed weight bytes into 16 x 16 int32 sums: 16 k4 steps of a panel are one such B
+// tile as packed (rows of 64 bytes, stride 64), and the activations are the vnni512 path's u = q + 128
+// with comp subtracted after, so the sums are the same exact int32 as every other path's. The
+// vnni512 tile does 6 x 4 x 16 multiply-adds of 4 bytes per k4 step; four tdpbusd do 32 x 32 x 16
+// (8x the vnni512 rate per core, by Intel's figures). Used from kAmxMinRows rows (prefill and big decode
+// batches); below, the vnni512 tile (the AMX tiles' 16 rows would be mostly padding).
+#if defined(PAGEDLLM_VEC_AVX512) && defined(__AVX512VNNI__) && defined(__linux__) && defined(__x86_64__) && \
+    (defined(__clang__) || __GNUC__ >= 11)
+#define PAGEDLLM_AMX 1
+#endif
+
+#if defined(PAGEDLLM_AMX)
+constexpr int64_t kAmxMinRows = 16;
+constexpr int64_t kTileRows = 16;  // rows of every tile (the A tiles' rows, the B tiles' k4 steps)
+constexpr int64_t kTileBytes = 64;  // bytes of every tile row
+
+// The CPU has AMX-TILE and AMX-INT8 (CPUID leaf 7: EDX bits 24, 25), Linux lets this process use
+// the tile data state (arch_prctl ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA: once, for every thread)
+// and PAGEDLLM_AMX is not 0 (cpu_info.amx_int8 says the same to Python).
+bool amx_usable() {
+  static const bool usable = [] {
+    const char* env = std::getenv("PAGEDLLM_AMX");
+    if (env != nullptr && std::string(env) == "0") return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1) || !((d >> 25) & 1)) return false;
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return usable;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Panels [p0, p1) for all rows: per pair of panels, per 32 rows, C tiles 0-3 (rows 0-15 / 16-31 x
+// panel 0 / 1) sum over K in chunks of 16 k4 steps: A tiles 4, 5 (the two row halves), B tiles 6, 7
+// (the two panels). xq holds mpad (a multiple of 32) rows of lda (a multiple of 64) bytes, zero past
+// each row's 4 * k4; a K that is not a multiple of 64 takes its last B tile from a zeroed copy
+// (reading on from the packed weight would run past the tensor's end).
+template <bool kTwoPanels>
+__attribute__((target("amx-tile,amx-int8"))) void amx_pair(const Problem& pr, int64_t mpad, int64_t lda,
+                                                          int64_t p, int64_t m, int8_t (*tail)[kTileRows * kTileBytes]) {
+  const int64_t full = pr.k4 / kTileRows, chunks = (pr.k4 + kTileRows - 1) / kTileRows;
+  const int8_t* w0 = pr.w + p * pr.k4 * kStep;
+  const int8_t* w1 = w0 + pr.k4 * kStep;
+  alignas(64) int32_t sums[kTileRows * kPanel];
+  for (int64_t r0 = 0; r0 < mpad; r0 += 2 * kTileRows) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (kTwoPanels) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+    const uint8_t* a = pr.xq + r0 * lda;
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      _tile_loadd(4, a + ch * kTileBytes, lda);
+      _tile_loadd(5, a + kTileRows * lda + ch * kTileBytes, lda);
+      _tile_loadd(6, ch < full ? w0 + ch * kTileRows * kStep : tail[0], kTileBytes);
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 5, 6);
+      if constexpr (kTwoPanels) {
+        _tile_loadd(7, ch < full ? w1 + ch * kTileRows * kStep : tail[1], kTileBytes);
+        _tile_dpbusd(2, 4, 7);
+        _tile_dpbusd(3, 5, 7);
+      }
+    }
+    for (int t = 0; t < (kTwoPanels ? 4 : 2); ++t) {
+      switch (t) {  // tile numbers are immediates
+        case 0: _tile_stored(0, sums, kPanel * 4); break;
+        case 1: _tile_stored(1, sums, kPanel * 4); break;
+        case 2: _tile_stored(2, sums, kPanel * 4); break;
+        default: _tile_stored(3, sums, kPanel * 4); break;
+      }
+      // y = (sum - comp) * (sx * sw) + b, a panel's 16 outputs per vector.
+      const int64_t first = r0 + (t % 2) * kTileRows, n0 = (p + t / 2) * kPanel;
+      const __m512i comp = _mm512_loadu_si512(pr.comp + n0);
+      const __m512 ws = _mm512_loadu_ps(pr.ws + n0);
+      const __m512 bias = pr.bias ? _mm512_loadu_ps(pr.bias + n0) : _mm512_setzero_ps();
+      for (int64_t i = 0; i < kTileRows && first + i < m; ++i) {
+        const __m512 exact = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums + i * kPanel), comp));
+        const __m512 scale = _mm512_mul_ps(_mm512_set1_ps(pr.xs[first + i]), ws);
+        _mm512_storeu_ps(pr.y + (first + i) * pr.n + n0, _mm512_fmadd_ps(exact, scale, bias));
+      }
+    }
+  }
+}
+
+__attribute__((target("amx-tile,amx-int8"))) void amx_panels(const Problem& pr, int64_t m, int64_t mpad, int64_t lda,
+                                                            int64_t p0, int64_t p1) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = kTileRows;
+    config.colsb[t] = kTileBytes;
+  }
+  _tile_loadconfig(&config);
+  alignas(64) int8_t tail[2][kTileRows * kTileBytes] = {};
+  const int64_t rest = pr.k4 % kTileRows, full = pr.k4 / kTileRows;
+  for (int64_t p = p0; p < p1; p += 2) {
+    const bool two = p + 1 < p1;
+    for (int j = 0; j < (two ? 2 : 1) && rest; ++j)
+      std::memcpy(tail[j], pr.w + ((p + j) * pr.k4 + full * kTileRows) * kStep, rest * kStep);
+    if (two)
+      amx_pair<true>(pr, mpad, lda, p, m, tail);
+    else
+      amx_pair<false>(pr, mpad, lda, p, m, tail);
+  }
+  _tile_release();
+}
+
+// The rows quantized once (threads split them), then threads split pairs of panels.
+void run_amx(const at::Tensor& x2, const at::Tensor& packed, const float* ws, const int32_t* comp, const float* bias,
+             at::Tensor& y) {
+  const int64_t m = x2.size(0), k = x2.size(1), panels = packed.size(0), k4 = packed.size(1);
+  const int64_t lda = (4 * k4 + kTileBytes - 1) / kTileBytes * kTileBytes;
+  const int64_t mpad = (m + 2 * kTileRows - 1) / (2 * kTileRows) * (2 * kTileRows);
+  std::vector<uint8_t> xq(mpad * lda, 0);
+  std::vector<float> xs(m);
+  const float* x = x2.data_ptr<float>();
+  const int64_t ldx = x2.stride(0);
+  at::parallel_for(0, m, 16, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) quantize_row(x + r * ldx, k, 4 * k4, true, xq.data() + r * lda, xs.data() + r);
+  });
+  Problem pr{x, ldx, k, xq.data(), xs.data(), packed.data_ptr<int8_t>(), ws, comp, bias, y.data_ptr<float>(),
+             panels * kPanel, k4};
+  const int64_t grain = std::max<int64_t>(1, kMinThreadMacs / (m * 4 * k4 * kPanel * 2));
+  at::parallel_for(0, (panels + 1) / 2, grain, [&](int64_t g0, int64_t g1) {
+    amx_panels(pr, m, mpad, lda, 2 * g0, std::min(panels, 2 * g1));
+  });
+}
+#else
+bool amx_usable() { return false; }
+#endif
+
 template <class... D>
 std::vector<std::string> path_names(PathList<D...>) {
   return {D::kName...};
 }
 
-std::vector<std::string> w8a8_paths() { return path_names(Paths{}); }
+// The paths, best first: "amx" where the CPU and the OS allow it (from kAmxMinRows rows; fewer take
+// the next path), then the build's compiled Paths.
+std::vector<std::string> w8a8_paths() {
+  std::vector<std::string> names = path_names(Paths{});
+  if (amx_usable()) names.insert(names.begin(), "amx");
+  return names;
+}
 
 template <class D, class... Rest, class F>
 void with_path(int64_t path, PathList<D, Rest...>, F&& f) {
@@ -397,6 +559,15 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& packed, const at::
   at::Tensor y = at::empty(out_shape, x.options());
   if (x2.size(0) == 0) return y;
   const float* b = float_vector(bias, n, "bias");
+  if (amx_usable()) {
+#if defined(PAGEDLLM_AMX)
+    if (path == 0 && x2.size(0) >= kAmxMinRows) {
+      run_amx(x2, packed, ws, w_comp.data_ptr<int32_t>(), b, y);
+      return y;
+    }
+#endif
+    path = std::max<int64_t>(0, path - 1);  // the amx path's few rows run on the next path
+  }
   with_path(path, Paths{}, [&](auto d) {
     run_path<decltype(d)>(x2, packed, ws, w_comp.data_ptr<int32_t>(), b, y);
   });

@@ -2,6 +2,10 @@
 path against exact integer math on the same quantized operands, the quantizers' error bounds,
 the layer and the LM head, and the engine end to end against fp32."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,8 +16,10 @@ from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization import building_with, w8a8
 from pagedllm.layers.quantization.int8 import quantize_per_channel
 
-# Rows: every tile height of every path (1-6) and remainders, a decode batch, a prefill block.
-ROWS = [1, 2, 3, 4, 5, 6, 7, 16, 64, 130]
+# Rows: every tile height of every path (1-6) and remainders, a decode batch, a prefill block; the
+# amx path (from 16 rows) in 32-row blocks of two 16-row tiles: one full tile, a part of the
+# second, both, and a block holding 2.
+ROWS = [1, 2, 3, 4, 5, 6, 7, 16, 20, 32, 64, 130]
 # (out, in): one panel; 4 panels + 2 (a 6-wide vnni512 remainder) with K % 4 == 1; 5 panels
 # (4 + 1) with K % 4 == 3; 7 panels (4 + 3) with a wide K; K < 4.
 SHAPES = [(16, 8), (96, 33), (80, 130), (112, 1539), (48, 3)]
@@ -66,7 +72,17 @@ def test_each_build_compiles_its_dot_paths(isa_ops):
         assert isa_ops.w8a8_paths() == ["scalar"]
         return
     best, fallback = PATHS[level]
-    assert isa_ops.w8a8_paths() == ([best, fallback] if cpu_info.dot_extension(level) else [fallback])
+    amx = ["amx"] if cpu_info.amx_int8(level) else []  # chosen at run time: the CPU and the OS allow it
+    assert isa_ops.w8a8_paths() == (amx + [best, fallback] if cpu_info.dot_extension(level) else [fallback])
+
+
+def test_amx_path_can_be_turned_off(isa_ops):
+    if not cpu_info.amx_int8(isa_ops.name.removeprefix("pagedllm_")):
+        pytest.skip("no AMX path on this CPU / build")
+    code = "from pagedllm.layers import cpu_kernels; print(','.join(cpu_kernels.cpu_ops('avx512').w8a8_paths()))"
+    env = {**os.environ, "PAGEDLLM_AMX": "0"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "vnni512,maddubs512"
 
 
 def test_batched_input_empty_input_and_bad_arguments(isa_ops):
