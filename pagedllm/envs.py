@@ -51,6 +51,12 @@ ENV_VARS: dict[str, EnvVar] = {
             "AMX-INT8 and the OS lets the process use it; read once per process)",
         ),
         EnvVar(
+            "PAGEDLLM_KV_PREFAULT_MIB",
+            "128",
+            "how much of the CPU KV cache (MiB, all layers) a background thread keeps faulted in ahead of the "
+            "highest block steps have been given, so steps do not page-fault on fresh blocks; 0 turns it off",
+        ),
+        EnvVar(
             "PAGEDLLM_HUGE_PAGES",
             "1",
             "0 keeps CPU weights and the KV cache out of transparent huge pages (default: their mappings ask "

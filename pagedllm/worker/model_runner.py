@@ -31,11 +31,12 @@ from pagedllm.structured_output.bitmask import apply_grammar_bitmask
 from pagedllm.worker.batch_inputs import BatchInputs
 from pagedllm.worker.causal_lm import CausalLM
 from pagedllm.worker.cuda_graph import CudaGraphRunner, capture_sizes, graphs_enabled
+from pagedllm.worker.host_memory import KVPrefaulter
 from pagedllm.worker.input_batch import InputBatch
 from pagedllm.worker.kv_layers import attention_layers, bind_kv_caches
 from pagedllm.worker.kv_tier import KVTier
 from pagedllm.worker.pooler import Pooler
-from pagedllm.worker.request_state import CachedRequestState, update_states
+from pagedllm.worker.request_state import CachedRequestState, newest_block, update_states
 from pagedllm.worker.staging import HostStager
 from pagedllm.worker.step_output import prompt_logprobs, split_logprobs
 
@@ -65,6 +66,7 @@ class ModelRunner:
         self.models: list[torch.nn.Module] = []  # every model with KV: the target, then a draft model
         self.kv_caches: list[torch.Tensor] = []
         self.kv_tier = KVTier([], 0)  # the swap tier (--swap-space), set up with the KV caches
+        self.kv_prefault: KVPrefaulter | None = None  # CPU: the cache's pages touched ahead of use
         self.proposer: Proposer | None = None  # speculative decoding: set up in load_model
         self.cuda_graphs: CudaGraphRunner | None = None  # decode-only steps replay these (CUDA)
         self.lora: LoRAModelManager | None = None  # the adapters' slots (--enable-lora)
@@ -115,6 +117,7 @@ class ModelRunner:
             attention_layers(self.models), num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_backend
         )
         self.kv_tier = KVTier(self.kv_caches, self.config.num_swap_blocks())
+        self.kv_prefault = KVPrefaulter.for_caches(self.kv_caches, num_blocks)
 
     def capture_cuda_graphs(self) -> None:
         """Capture decode-only forwards (after the KV cache is bound: the graphs bake in its address)."""
@@ -144,6 +147,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         update_states(self.requests, sched, self._make_generator)
+        if self.kv_prefault is not None and self.kv_prefault.active:
+            self.kv_prefault.saw(newest_block(sched))
         if sched.scheduled_cached_reqs.new_token_ids:
             self._take_sampled(sched)
         self.kv_tier.copy(

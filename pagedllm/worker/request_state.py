@@ -67,3 +67,9 @@ def update_states(
         state = states[req_id]
         state.block_ids = list(block_ids) if resumed else state.block_ids + block_ids
         state.num_computed_tokens = computed
+
+
+def newest_block(sched: SchedulerOutput) -> int:
+    """The highest block id the step gives any request (-1: none)."""
+    newest = max((max(new.block_ids, default=-1) for new in sched.scheduled_new_reqs), default=-1)
+    return max(newest, max((max(ids, default=-1) for ids in sched.scheduled_cached_reqs.new_block_ids), default=-1))

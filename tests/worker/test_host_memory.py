@@ -137,3 +137,86 @@ def test_huge_pages_turned_off_or_too_small(monkeypatch):
     assert host_memory.weights_to_huge_pages(small) == 0 and small.weight.data_ptr() == address
     pages = host_memory.anonymous_pages(4 << 20)
     assert pages.numel() == 4 << 20 and not pages.any() and "hg" in _vm_flags(pages.data_ptr())
+
+
+# ---- KVPrefaulter ----
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / mincore: Linux only")
+
+
+def _resident_blocks(cache: torch.Tensor, num_blocks: int) -> list[bool]:
+    """Per block: every page under it in both planes is resident (mincore)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = host_memory.PAGE
+    nbytes = cache.numel() * cache.element_size()
+    pages = -(-nbytes // page)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(cache.data_ptr(), pages * page, vec) == 0
+    resident = [b & 1 for b in vec.raw]
+    block_bytes = nbytes // 2 // num_blocks
+    out = []
+    for b in range(num_blocks):
+        ok = True
+        for plane in (0, 1):
+            first = (plane * nbytes // 2 + b * block_bytes) // page
+            last = (plane * nbytes // 2 + (b + 1) * block_bytes - 1) // page
+            ok &= all(resident[first : last + 1])
+        out.append(bool(ok))
+    return out
+
+
+def _wait_for(predicate, timeout: float = 10.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def _cache(num_blocks: int, block_bytes: int) -> torch.Tensor:
+    """A [2, num_blocks, block_bytes / 4] float32 cache in fresh 4 KiB pages, as kv_layers makes them."""
+    return (
+        host_memory.anonymous_pages(2 * num_blocks * block_bytes, huge=False)
+        .view(torch.float32)
+        .view(2, num_blocks, -1)
+    )
+
+
+@linux
+def test_prefaulter_keeps_the_blocks_ahead_of_the_newest_populated(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT_MIB", "1")
+    blocks, block_bytes = 64, 8192  # two layers of 16 KiB per block: 1 MiB ahead is 32 blocks
+    caches = [_cache(blocks, block_bytes), _cache(blocks, block_bytes)]
+    caches[0][0, 40] = 7.0  # a written block keeps its values when populated
+    prefault = host_memory.KVPrefaulter.for_caches(caches, blocks)
+    assert prefault is not None
+    _wait_for(lambda: prefault.populated_blocks >= 32)
+    for cache in caches:
+        resident = _resident_blocks(cache, blocks)
+        assert all(resident[:32]) and not any(resident[41:])  # 40 was written: resident in the K plane
+    prefault.saw(10)  # the step was given blocks up to 10: populate up to 10 + 1 + 32
+    _wait_for(lambda: prefault.populated_blocks >= 43)
+    assert all(_resident_blocks(caches[1], blocks)[:43])
+    assert torch.all(caches[0][0, 40] == 7.0) and torch.all(caches[1][:, :43] == 0)
+    prefault.saw(blocks - 1)  # the whole pool: the thread stops
+    _wait_for(lambda: not prefault.active)
+    assert prefault.populated_blocks == blocks and all(_resident_blocks(caches[0], blocks))
+    prefault.close()
+
+
+@linux
+def test_prefaulter_stops_when_its_caches_are_dropped_and_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT_MIB", "1")
+    caches = [_cache(1024, 8192)]
+    prefault = host_memory.KVPrefaulter.for_caches(caches, 1024)
+    assert prefault is not None
+    _wait_for(lambda: prefault.populated_blocks >= 64)
+    del caches  # held weakly: the mapping goes, and the waiting thread ends
+    _wait_for(lambda: not prefault.active, timeout=5.0)
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT_MIB", "0")
+    assert host_memory.KVPrefaulter.for_caches([_cache(4, 8192)], 4) is None
+    monkeypatch.setenv("PAGEDLLM_KV_PREFAULT_MIB", "1")
+    assert host_memory.KVPrefaulter.for_caches([_cache(4, 8192)], 8) is None  # not [2, num_blocks, ...]
