@@ -47,6 +47,7 @@ SOURCES = tuple(
         "cpu_gemm_w8a8.cpp",
         "cpu_decode_stack.cpp",
         "cpu_lora.cpp",
+        "cpu_prefill_attention.cpp",
         "cpu_shm_allreduce.cpp",
         "cpu_sampling.cpp",
     )
