@@ -95,19 +95,31 @@ def _timed_reads(url: str) -> tuple[list[str], list[float]]:
 
 def test_stream_arrives_event_by_event_through_nginx(live_server, proxy):
     """Through nginx the events come in many separate reads, spread over about as long as straight
-    from the server. A buffering proxy hands them over in a few blobs (one, for this short stream:
-    tried with proxy_buffering on and gzip), which fails both checks. Not "as many reads as direct":
-    on a busy machine nginx's worker runs late and coalesces what has piled up (161 events came in
-    12-21 reads with three busy loops beside the test), which is still a stream."""
+    from the server. A proxy that holds the response back hands it over in one blob or a few, which
+    fails both checks on every try. (nginx 1.22 itself still passed chunks on as they came with
+    proxy_buffering on, even ignoring the server's X-Accel-Buffering: no, and with gzip on for
+    text/event-stream: tried.) Not "as many
+    reads as direct": on a busy machine nginx's worker runs late and coalesces what has piled up
+    (161 events came in 12-21 reads with three busy loops beside the test), which is still a
+    stream. Up to three tries: in a full CI run one stream arrived within 0.15 s of a 1.5 s
+    generation once and streamed normally when run again."""
     _timed_reads(live_server.server.url)  # warm-up: a first stream can be slow (lazy set-up) and skew the spread
-    direct_events, direct = _timed_reads(live_server.server.url)
-    events, arrivals = _timed_reads(proxy)
-    assert len(events) == len(direct_events) == STREAM_TOKENS + 1 and events[-1] == "data: [DONE]"
-    assert len(arrivals) >= max(3, len(direct) // 20), (
-        f"{len(events)} events in {len(arrivals)} reads ({len(direct)} direct)"
-    )
-    # Generous: the two streams are separate requests, each timed on a shared machine.
-    assert arrivals[-1] - arrivals[0] >= 0.1 * (direct[-1] - direct[0])
+    seen = []
+    for _ in range(3):
+        direct_events, direct = _timed_reads(live_server.server.url)
+        events, arrivals = _timed_reads(proxy)
+        assert len(events) == len(direct_events) == STREAM_TOKENS + 1 and events[-1] == "data: [DONE]"
+        # Generous: the two streams are separate requests, each timed on a shared machine.
+        streamed = len(arrivals) >= max(3, len(direct) // 20) and (
+            arrivals[-1] - arrivals[0] >= 0.1 * (direct[-1] - direct[0])
+        )
+        seen.append(
+            f"{len(events)} events in {len(arrivals)} reads over {arrivals[-1] - arrivals[0]:.2f} s "
+            f"(direct: {len(direct)} reads over {direct[-1] - direct[0]:.2f} s)"
+        )
+        if streamed:
+            return
+    raise AssertionError("nginx buffered the stream on every try: " + "; ".join(seen))
 
 
 def test_hang_up_through_nginx_aborts_the_request(live_server, proxy):
