@@ -21,6 +21,8 @@ import platform
 from functools import lru_cache
 from pathlib import Path
 
+from pagedllm import envs
+
 ISA_LEVELS = ("avx512", "avx2", "neon", "portable")
 
 # /proc/cpuinfo flags each x86 level needs (x86-64-v4 and -v3 as GCC defines them).
@@ -113,8 +115,6 @@ def amx_int8(level: str) -> bool:
     on a CPU with AMX-TILE and AMX-INT8 (Intel Sapphire Rapids and later) whose kernel lets this
     process use the tile registers (``arch_prctl(ARCH_REQ_XCOMP_PERM)``, Linux 5.16+; asked here
     as the kernel library asks, once per process); ``PAGEDLLM_AMX=0`` turns it off."""
-    from pagedllm import envs
-
     features = cpu_features()
     if (
         not envs.enabled("PAGEDLLM_AMX")

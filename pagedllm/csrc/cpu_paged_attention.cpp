@@ -15,23 +15,12 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_kv_load.h"
 #include "cpu_vec.h"
 
 namespace {
 
 using namespace pagedllm_vec;
-
-template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
-
-// The cache types the vector path reads, each K/V vector widened to float32 as it is loaded:
-// bfloat16 by a shift, float16 by the ISA's conversion (F16C, AVX-512, NEON fcvtl).
-template <typename T>
-constexpr bool kVectorCache =
-    std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
-inline Vec load_kv(const float* p) { return load(p); }
-inline Vec load_kv(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
-inline Vec load_kv(const c10::Half* p) { return load_f16(reinterpret_cast<const uint16_t*>(p)); }
 
 // Per-thread scratch, reused across the tasks a thread runs.
 struct Scratch {

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_kv_load.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -42,12 +43,6 @@ constexpr int kPvUnits = 4;  // units per p·v pass
 constexpr int kBlockTiles = 4, kBlockKeys = kBlockTiles * kWidth;
 constexpr int kSuperTiles = 4;  // tiles sharing each key block (see tiles())
 
-inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
-inline float to_float(c10::Half x) { return static_cast<float>(x); }
-inline Vec load_row(const float* p) { return load(p); }
-inline Vec load_row(const c10::BFloat16* p) { return load_bf16(reinterpret_cast<const uint16_t*>(p)); }
-inline Vec load_row(const c10::Half* p) { return load_f16(reinterpret_cast<const uint16_t*>(p)); }
 
 template <typename T>
 struct Problem {
@@ -75,7 +70,7 @@ void transpose_keys(const Problem<T>& pr, int64_t g, int64_t len, float* kt) {
       const int64_t j = t0 + l;
       if (j < len) {
         const T* k = pr.k_cache + pr.row(j, g);
-        for (int64_t d = 0; d < pr.dim; ++d) tile[d * kWidth + l] = to_float(k[d]);
+        for (int64_t d = 0; d < pr.dim; ++d) tile[d * kWidth + l] = to_f(k[d]);
       } else {
         for (int64_t d = 0; d < pr.dim; ++d) tile[d * kWidth + l] = 0.f;
       }
@@ -92,7 +87,7 @@ inline void add_pv(float* o, const float* p, const T* const* v_rows, int64_t key
 #pragma GCC unroll 4
     for (int i = 0; i < N; ++i) acc[i] = load(o + i * dim + d);
     for (int64_t j = 0; j < keys; ++j) {
-      const Vec v = load_row(v_rows[j] + d);
+      const Vec v = load_kv(v_rows[j] + d);
 #pragma GCC unroll 4
       for (int i = 0; i < N; ++i) acc[i] = fmadd(broadcast(p[i * kBlockKeys + j]), v, acc[i]);
     }
