@@ -118,13 +118,28 @@ def _silence(lc: Any) -> None:
 
 
 def extra_buffer_types() -> bool:
-    """Whether llama.cpp may repack weights into its extra CPU buffer types. Not on a CPU with AMX:
-    there llama-cpp-python 0.3.36 built for the machine (its AMX buffer type on) died with a
-    segmentation fault in the first batched llama_decode of a Q4_0 or Q8_0 model, which would take
-    the whole benchmark with it. Off, it also skips its Q4_0 repacking for AVX2 / AVX-512."""
+    """Whether llama.cpp may repack weights into its extra CPU buffer types. Not where it runs its AMX
+    path (built with AMX_INT8, on a CPU with AMX): there llama-cpp-python 0.3.36 built for the
+    machine died with a segmentation fault in the first batched llama_decode of a Q4_0 or Q8_0
+    model, which would take the whole benchmark with it. Off, it also skips its Q4_0 repacking for
+    AVX2 / AVX-512."""
     from pagedllm import cpu_info
 
-    return not {"amx_tile", "amx_int8"} <= cpu_info.cpu_features()
+    amx_cpu = {"amx_tile", "amx_int8"} <= cpu_info.cpu_features()
+    return not (amx_cpu and "AMX_INT8" in build_label().split())
+
+
+def build_label() -> str:
+    """The CPU features llama.cpp was built with (its ``llama_print_system_info``), e.g. "AVX2 FMA
+    F16C": with ``PAGEDLLM_CPU_ISA=avx2`` a fair race needs a llama.cpp built for AVX2 too (see
+    docs/benchmarks.md), and the note says which one ran."""
+    import llama_cpp as lc
+
+    info = lc.llama_print_system_info().decode(errors="replace")
+    cpu = info.split("CPU :", 1)[-1]
+    on = [name.strip() for name, _, value in (f.partition("=") for f in cpu.split("|")) if value.strip() == "1"]
+    isa = [f for f in on if f.startswith(("AVX", "AMX", "FMA", "F16C", "SVE", "NEON", "DOTPROD", "MATMUL"))]
+    return " ".join(isa) or "no vector extensions reported"
 
 
 class LlamaCpp:
@@ -255,8 +270,8 @@ def latency(path: Path, args: argparse.Namespace, vocab: int) -> LatencyTimings:
         timings.decode_s[batch] = decode_latency(path, batch, args, vocab)
     timings.note = (
         f"{weights_label(args)} GGUF, default KV type (f16), batch API with one sequence per slot; "
-        "only llama_decode is timed"
-        + ("" if extra_buffer_types() else "; extra buffer types (AMX, repacked Q4_0) off on this AMX CPU")
+        f"only llama_decode is timed; built for {build_label()}"
+        + ("" if extra_buffer_types() else "; extra buffer types (AMX, repacked Q4_0) off: its AMX path crashes here")
     )
     return timings
 

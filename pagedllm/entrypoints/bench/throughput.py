@@ -210,7 +210,8 @@ def run_llama_cpp(
                 )
             )
     return results, (
-        f"{weights} GGUF, default KV type (f16), llama_batch with one sequence per slot; fed token ids are not sampled"
+        f"{weights} GGUF, default KV type (f16), llama_batch with one sequence per slot; fed token ids are not sampled; "
+        f"built for {llama_cpp.build_label()}"
     )
 
 
