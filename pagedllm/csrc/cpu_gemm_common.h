@@ -54,18 +54,28 @@ static_assert(max_panels(1) >= 1, "one row of one panel must fit the registers")
 // Rows of x per block: the block (rows x K floats) stays in L2 while the thread's panels stream
 // past it; prefill batches are cut into such blocks, decode batches are one block.
 constexpr int64_t kXBlockBytes = 384 * 1024;
+// How many of a block's row tiles prefetch the next group: about 12 tile sweeps over K (AVX-512:
+// 12 row tiles of one 4-panel tile; AVX2 and NEON: 3 row tiles of four 1-panel tiles), so a group
+// arrives at a third to a half of a line per k step. Spread over every row tile of the block
+// instead (a line every 10 k steps at 64 rows on AVX2), the avx2 build at 128 rows ran 0.97x the
+// kernel before, against 1.04x like this; see for_each_tile.
+constexpr int64_t kPrefetchRowTiles = 12 / ((kGroup + max_panels(kMaxRows) - 1) / max_panels(kMaxRows));
 // Least weight bytes worth waking a second thread for.
 constexpr int64_t kMinThreadBytes = 64 * 1024;
 
 // One thread's panels [p0, p1) for all m rows: rows(m0, mr, g, ge, f0, f1, streams, first) per row tile
 // and panel group. Within an x block, a group of panels is the outer loop: its weights come from
 // memory once and from cache for every further row tile. So that the memory does not idle while
-// those tiles run from cache (and the next group's first tile does not wait on it), the row tiles
-// share out the next group's panels to prefetch as they go: [f0, f1), at most 2 panels (a block
-// has at least 2 row tiles when it prefetches), empty for the rest. A block of one row tile
-// (streams: every decode batch of at most kMaxRows rows) reads each weight once, straight from
-// memory; row_tiles then prefetches ahead within the thread's own panels instead. first: the
-// block's first row tile, the one that reads the group from memory.
+// those tiles run from cache (and the next group's first tile does not wait on it), the first
+// kPrefetchRowTiles row tiles share out the next group's k steps (16 weights each, panel after
+// panel: unit u is at element 16 u) to prefetch as they go: [f0, f1), empty for the rest; each
+// tile spreads its slice evenly over its k steps (row_tiles). Handing whole panels to the first
+// tiles instead (2 lines a k step, then none) left the memory idle for most of the group: on an
+// AVX-512 Xeon (2 threads, a SmolLM2-sized step's linears) spreading them was 1.21x at 16 rows
+// and 1.06x at 64 on the avx2 build, 1.08x at 64 rows on avx512, level at 16 there. A block
+// of one row tile (streams: every decode batch of at most kMaxRows rows) reads each weight once,
+// straight from memory; row_tiles then prefetches ahead within the thread's own panels instead.
+// first: the block's first row tile, the one that reads the group from memory.
 template <class F>
 void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
   const int64_t block = std::max(kMaxRows, kXBlockBytes / (k * 4) / kMaxRows * kMaxRows);
@@ -75,10 +85,12 @@ void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
       const int64_t ge = std::min(p1, g + kGroup);
       // The next group: in this block, else the first of the next block (none after the last).
       const int64_t next = tiles == 1 ? p1 : ge < p1 ? ge : me < m ? p0 : p1;
-      const int64_t next_end = std::min(p1, next + kGroup), share = (next_end - next + tiles - 1) / tiles;
+      // Its k steps (panel after panel, K each), shared out evenly over the first row tiles.
+      const int64_t u0 = next * k, units = (std::min(p1, next + kGroup) - next) * k, pt = std::min(tiles, kPrefetchRowTiles);
       for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t m0 = mb + t * kMaxRows, f0 = std::min(next_end, next + t * share);
-        rows(m0, std::min(kMaxRows, me - m0), g, ge, f0, std::min(next_end, f0 + share), tiles == 1, t == 0);
+        const int64_t m0 = mb + t * kMaxRows, a = std::min(t, pt), b = std::min(t + 1, pt);
+        rows(m0, std::min(kMaxRows, me - m0), g, ge, u0 + units * a / pt, u0 + units * b / pt, tiles == 1,
+             t == 0);
       }
     }
   }
@@ -104,14 +116,18 @@ struct Problem {
   bool interleaved;
 };
 
+// How a tile prefetches into L2 as it goes (see row_tiles): not at all, line k of pf and of pf2
+// at each k step (kAhead), or `spread` panel k steps (16 weights each) from pf, spread evenly over
+// its K steps (kSpread).
+enum class Prefetch { kNone, kAhead, kSpread };
+
 // MR rows at m0 times NR panels from p0 (the weights at w: panel j at w + j * panel_stride, k step
 // k at + k * k_stride): the accumulators live in registers; each k step loads the NR panels'
-// weight vectors once and reuses them for all MR rows. With Prefetch, each k step also prefetches
-// its line of the panels at pf and pf2 into L2 (see for_each_tile; pf2 == pf for one panel): a k
-// step's FMAs leave the load ports room for it.
-template <int MR, int NR, bool Prefetch, class T>
+// weight vectors once and reuses them for all MR rows, and prefetches as PF says (a k step's FMAs
+// leave the load ports room for it).
+template <int MR, int NR, Prefetch PF, class T>
 inline void tile(const Problem<T>& pr, int64_t m0, int64_t p0, const T* w, int64_t panel_stride, int64_t k_stride,
-                 const T* pf, const T* pf2) {
+                 const T* pf, const T* pf2, int64_t spread) {
   constexpr int V = NR * kPanelVecs;  // vectors per row and k step
   static_assert(tile_registers(MR, NR) <= kRegisters, "the tile must fit the vector registers");
   const float* x = pr.x + m0 * pr.ldx;
@@ -120,10 +136,13 @@ inline void tile(const Problem<T>& pr, int64_t m0, int64_t p0, const T* w, int64
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 16
     for (int v = 0; v < V; ++v) acc[i][v] = zero();
+  int64_t debt = 0;  // kSpread: k steps so far times spread, less K per unit prefetched
   for (int64_t k = 0; k < pr.k; ++k) {
-    if constexpr (Prefetch) {
+    if constexpr (PF == Prefetch::kAhead) {
       prefetch_l2(pf + k * k_stride);
       prefetch_l2(pf2 + k * k_stride);
+    } else if constexpr (PF == Prefetch::kSpread) {
+      for (debt += spread; debt >= pr.k; debt -= pr.k, pf += kLanes) prefetch_l2(pf);
     }
     const T* wk = w + k * k_stride;
     const auto weight = [&](int v) { return load_weights(wk + (v / kPanelVecs) * panel_stride + (v % kPanelVecs) * kWidth); };
@@ -160,17 +179,18 @@ inline void tile(const Problem<T>& pr, int64_t m0, int64_t p0, const T* w, int64
 }
 
 // The group of panels [g, ge) (1-4 panels) for MR rows at m0, in as few tiles of max_panels(MR)
-// panels as cover it, of even widths; [f0, f1): the panels to prefetch, shared out over the tiles.
-// When the tiles stream their weights from memory (streams) and are narrower than the group
-// (AVX2's tiles of 2 to 6 rows are 1 or 2 panels wide, NEON's and portable's 1), they prefetch
-// ahead instead: the hardware prefetcher alone keeps too few lines in flight on one or two
-// sequential streams. In the fp32 layout each tile prefetches the panels one tile ahead, up to
-// the thread's last panel p1 (they follow in memory; avx2 build on Zen 4, a decode step's
-// linears: 1.16x at 3 rows, 1.42-1.47x at 4-6). In the int8 layout every tile of a group reads
-// the group's lines, the first from memory and the rest from cache; in the block's first row
-// tile (first) the second tile prefetches the next group (1.11-1.27x at 2-6 rows, 1.13-1.20x at
-// 8-12, level to 1.10x at 16). A tile as wide as the group (AVX-512, and every 1-row tile)
-// reads 4 panels side by side and gains nothing from it.
+// panels as cover it, of even widths; [f0, f1): the next group's k steps to prefetch (fp32
+// layout), shared out evenly over the tiles, each spreading its share over its K steps. When the
+// tiles stream their weights from memory (streams) and are narrower than the group (AVX2's tiles
+// of 2 to 6 rows are 1 or 2 panels wide, NEON's and portable's 1), they prefetch ahead instead:
+// the hardware prefetcher alone keeps too few lines in flight on one or two sequential streams.
+// In the fp32 layout each tile prefetches the panels one tile ahead, up to the thread's last
+// panel p1 (they follow in memory; avx2 build on Zen 4, a decode step's linears: 1.16x at 3 rows,
+// 1.42-1.47x at 4-6). In the int8 layout every tile of a group reads the group's lines, the first
+// from memory and the rest from cache; in the block's first row tile (first) the second tile
+// prefetches the next group (1.11-1.27x at 2-6 rows, 1.13-1.20x at 8-12, level to 1.10x at 16).
+// A tile as wide as the group (AVX-512, and every 1-row tile) reads 4 panels side by side and
+// gains nothing from it.
 template <int MR, class T>
 void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t f0, int64_t f1, bool streams, bool first,
                int64_t p1) {
@@ -179,27 +199,32 @@ void row_tiles(const Problem<T>& pr, int64_t m0, int64_t g, int64_t ge, int64_t 
   const int64_t panel = pr.k * kLanes;
   const int64_t panel_stride = pr.interleaved ? kLanes : panel, k_stride = pr.interleaved ? width * kLanes : kLanes;
   const T* w = pr.p + g * panel;  // every group before is full, in either layout
-  const int64_t share = (f1 - f0 + tiles - 1) / tiles;
   for (int64_t j = 0; j < width; j += nr) {
     const int64_t cols = std::min(nr, width - j);
-    // Line k of pf and of pf2 at each k step (pf2 == pf for one panel); none without pf.
+    // kAhead: line k of pf and of pf2 at each k step (pf2 == pf for one panel); kSpread: `spread`
+    // k steps of the next group from pf.
     const T* pf = nullptr;
     const T* pf2 = nullptr;
+    int64_t spread = 0;
     if (streams && tiles > 1 && !pr.interleaved) {  // the panels one tile ahead (nr <= 2 here)
       const int64_t q0 = std::min(p1, g + j + cols), q1 = std::min(p1, q0 + cols);
       if (q1 > q0) pf = pr.p + q0 * panel, pf2 = pr.p + (q1 - 1) * panel;
     } else if (first && tiles > 1 && pr.interleaved) {  // int8: the next group, if full (its k stride is this one's)
       if (j == nr && width == kGroup && ge + kGroup <= p1) pf = pf2 = pr.p + ge * panel;
-    } else if (!pr.interleaved) {  // this tile's share of the next group, panel by panel
-      const int64_t q0 = std::min(f1, f0 + j / nr * share), q1 = std::min(f1, q0 + share);
-      if (q1 > q0) pf = pr.p + q0 * panel, pf2 = pr.p + (q1 - 1) * panel;
+    } else if (!pr.interleaved && f1 > f0) {  // this tile's even share of the row tile's share of the next group
+      const int64_t t = j / nr, u0 = f0 + (f1 - f0) * t / tiles;
+      spread = f0 + (f1 - f0) * (t + 1) / tiles - u0;
+      if (spread > 0) pf = pr.p + u0 * kLanes;
     }
     dispatch<kNr>(cols, [&](auto c) {
       constexpr int NR = decltype(c)::value;
-      if (pf)
-        tile<MR, NR, true>(pr, m0, g + j, w + j * panel_stride, panel_stride, k_stride, pf, pf2);
+      const T* wj = w + j * panel_stride;
+      if (spread > 0)
+        tile<MR, NR, Prefetch::kSpread>(pr, m0, g + j, wj, panel_stride, k_stride, pf, pf2, spread);
+      else if (pf)
+        tile<MR, NR, Prefetch::kAhead>(pr, m0, g + j, wj, panel_stride, k_stride, pf, pf2, 0);
       else
-        tile<MR, NR, false>(pr, m0, g + j, w + j * panel_stride, panel_stride, k_stride, pf, pf2);
+        tile<MR, NR, Prefetch::kNone>(pr, m0, g + j, wj, panel_stride, k_stride, pf, pf2, 0);
     });
   }
 }

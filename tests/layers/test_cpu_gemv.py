@@ -87,9 +87,17 @@ def test_smollm_shapes_across_threads(native):
 def test_thread_splits_and_prefetch(native, rows, panels):
     # K=1024: a panel is 64 KB, so every panel may go to its own thread; split over 2 threads, each
     # thread's last tile is 1, 2 or 3 panels wide. 2, 3, 4 and 11 row tiles share out the next
-    # group's prefetch differently (2, 2, 1 and 1 panels per tile); 5 rows are one row tile, whose
-    # narrow (avx2) tiles prefetch one tile ahead up to the thread's last panel.
+    # group's k steps to prefetch (the first few of them, each tile a slice spread over its K steps);
+    # 5 rows are one row tile, whose narrow (avx2) tiles prefetch one tile ahead up to the thread's
+    # last panel.
     _check(native, rows, 16 * panels, 1024, with_bias=True)
+
+
+@pytest.mark.parametrize("rows", [7, 19, 64])
+def test_every_isa_thread_splits_and_prefetch(isa_ops, rows):
+    # The same on every ISA level's tiles (AVX2's and NEON's 1-panel row tiles split each row
+    # tile's slice of the next group four ways).
+    _check(isa_ops.packed_linear.default, rows, 16 * 14, 1024, with_bias=True)
 
 
 def test_batched_and_strided_inputs(native):
