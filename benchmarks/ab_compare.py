@@ -3,7 +3,7 @@
 the machine's speed hits both sides alike.
 
     python -m benchmarks.ab_compare --base 06e3832 --new HEAD --rounds 3 [--temperature 1.0]
-        [--benchmarks latency] [--decode-prompt-len 1000]
+        [--benchmarks latency] [--decode-prompt-len 1000] [--quantization int8]
 
 Each commit is checked out into a temporary git worktree and run from there
 (``PYTHONPATH=<worktree>``), so the package under test is exactly that commit. Prints one
@@ -107,6 +107,11 @@ def main() -> int:
         default=None,
         help="passed to bench latency: each decode sequence's context (default: its short prompts)",
     )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        help="passed to both benchmarks (e.g. int8, int4, w8a8; default: float32 weights)",
+    )
     p.add_argument("--output-json", default=None, metavar="PATH")
     args = p.parse_args()
     latency = list(LATENCY)
@@ -114,6 +119,9 @@ def main() -> int:
         latency += ["--temperature", str(args.temperature)]
     if args.decode_prompt_len is not None:
         latency += ["--decode-prompt-len", str(args.decode_prompt_len)]
+    if args.quantization is not None:
+        latency += ["--quantization", args.quantization]
+        BENCHMARKS["mixed"] = ([*BENCHMARKS["mixed"][0], "--quantization", args.quantization], BENCHMARKS["mixed"][1])
     BENCHMARKS["latency"] = (latency, latency_figures)
     samples: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     with tempfile.TemporaryDirectory(prefix="pagedllm-ab-") as tmp:

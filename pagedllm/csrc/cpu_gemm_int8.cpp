@@ -16,7 +16,8 @@
 // [N / 16, K, 16] (same bytes) so shapes check as for fp32; threads split whole groups. A tile
 // may cover part of a group (AVX2 and NEON tiles are 1-4 panels wide): it reads its panels' 16
 // bytes of each line, and the group's first tile brings the lines from memory for the others: in
-// a block's first row tile, the second tile of a group prefetches the next group (row_tiles).
+// a block's first row tile, the second tile of a group prefetches the next group, and a tile
+// over a whole group that streams from memory prefetches 3 KiB down its stream (row_tiles).
 // The widening costs two extra vector ops per vector of weights: measured with the AVX-512 tile,
 // at one row the kernel was close to compute-bound (~24 GB/s per core from L2), and from ~16 rows on,
 // where fp32 is compute-bound too, int8 was no faster than fp32 (level at 256 rows): it buys
