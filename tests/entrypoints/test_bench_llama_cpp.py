@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm import cpu_info
 from pagedllm.entrypoints.bench import baselines, llama_cpp
 from pagedllm.entrypoints.bench.common import BenchModel, read_hf_config
 from pagedllm.entrypoints.bench.gguf_export import gguf_tensors
@@ -75,6 +78,32 @@ def test_weights_labels_follow_the_flags() -> None:
     assert llama_cpp.weights_label(_flags("f32")) == "F32, head F32"
     assert llama_cpp.weights_label(_flags("q4_0")) == "Q4_0, head Q8_0"  # what llama-quantize writes here
     assert llama_cpp.weights_label(_flags("q8_0", "q4_0")) == "Q8_0, head Q4_0"
+
+
+INFO_AVX2 = b"CPU : SSE3 = 1 | SSSE3 = 1 | AVX = 1 | AVX2 = 1 | F16C = 1 | FMA = 1 | AVX512 = 0 | LLAMAFILE = 1 | "
+INFO_AMX = b"CPU : AVX = 1 | AVX2 = 1 | FMA = 1 | AVX512 = 1 | AVX512_VNNI = 1 | AMX_INT8 = 1 | OPENMP = 1 | "
+
+
+@pytest.mark.parametrize(
+    "info,cpu_amx,label,extra",
+    [
+        (INFO_AVX2, True, "AVX AVX2 F16C FMA", True),  # an AVX2 build on an AMX CPU keeps its repacking
+        (INFO_AMX, True, "AVX AVX2 FMA AVX512 AVX512_VNNI AMX_INT8", False),  # its AMX path would run
+        (INFO_AMX, False, "AVX AVX2 FMA AVX512 AVX512_VNNI AMX_INT8", True),
+        (b"CPU : NEON = 1 | ARM_FMA = 1 | DOTPROD = 1 | SVE = 0 | ", False, "NEON DOTPROD", True),
+    ],
+)
+def test_build_label_and_extra_buffer_types(
+    monkeypatch: Any, info: bytes, cpu_amx: bool, label: str, extra: bool
+) -> None:
+    # The note names the features llama.cpp was built for; extra buffer types go off only where
+    # its AMX path would run (built with AMX_INT8, on a CPU with AMX).
+    fake = types.ModuleType("llama_cpp")
+    fake.llama_print_system_info = lambda: info  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setattr(cpu_info, "cpu_features", lambda: {"avx2", "amx_tile", "amx_int8"} if cpu_amx else {"avx2"})
+    assert llama_cpp.build_label() == label
+    assert llama_cpp.extra_buffer_types() is extra
 
 
 def test_the_pagedllm_label_names_the_lm_head_as_built() -> None:
