@@ -114,15 +114,16 @@ def main() -> int:
     )
     p.add_argument("--output-json", default=None, metavar="PATH")
     args = p.parse_args()
-    latency = list(LATENCY)
+    latency, mixed = list(LATENCY), list(MIXED)
     if args.temperature is not None:
         latency += ["--temperature", str(args.temperature)]
     if args.decode_prompt_len is not None:
         latency += ["--decode-prompt-len", str(args.decode_prompt_len)]
     if args.quantization is not None:
         latency += ["--quantization", args.quantization]
-        BENCHMARKS["mixed"] = ([*BENCHMARKS["mixed"][0], "--quantization", args.quantization], BENCHMARKS["mixed"][1])
+        mixed += ["--quantization", args.quantization]
     BENCHMARKS["latency"] = (latency, latency_figures)
+    BENCHMARKS["mixed"] = (mixed, mixed_figures)
     samples: dict[str, dict[str, list[float]]] = {"base": {}, "new": {}}
     with tempfile.TemporaryDirectory(prefix="pagedllm-ab-") as tmp:
         trees = {side: checkout(getattr(args, side), Path(tmp) / side) for side in ("base", "new")}

@@ -92,7 +92,8 @@ void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
       // The next group: in this block, else the first of the next block (none after the last).
       const int64_t next = tiles == 1 ? p1 : ge < p1 ? ge : me < m ? p0 : p1;
       // Its k steps (panel after panel, K each), shared out evenly over the first row tiles.
-      const int64_t u0 = next * k, units = (std::min(p1, next + kGroup) - next) * k, pt = std::min(tiles, kPrefetchRowTiles);
+      const int64_t u0 = next * k, units = (std::min(p1, next + kGroup) - next) * k;
+      const int64_t pt = std::min(tiles, kPrefetchRowTiles);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = mb + t * kMaxRows, a = std::min(t, pt), b = std::min(t + 1, pt);
         rows(m0, std::min(kMaxRows, me - m0), g, ge, u0 + units * a / pt, u0 + units * b / pt, tiles == 1,
