@@ -14,20 +14,17 @@ decode attention reads more cache than weights; a 16-bit cache halves those byte
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine
+from benchmarks.decoding import decoding_engine
 from pagedllm.entrypoints.bench.common import env_line, environment, format_table, read_hf_config, write_dummy_model_dir
 from pagedllm.entrypoints.bench.engine_probe import model_runner
 from pagedllm.entrypoints.bench.machine import model_cost
 from pagedllm.layers.cpu_kernels import kernel_build
-from pagedllm.sampling_params import SamplingParams
 
 CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
@@ -35,29 +32,18 @@ CACHE_DTYPES = ("auto", "bfloat16", "float16")
 def _engine(model_dir: Path, kv: str, batch: int, context: int, args: argparse.Namespace) -> Any:
     tokens = context + args.rounds + 64
     pool_gib = batch * tokens * model_cost(read_hf_config(model_dir), "float32", kv).kv_bytes_per_token / 2**30
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model_dir),
-            load_format="dummy",
-            dtype="float32",
-            quantization=args.quantization,
-            kv_cache_dtype=kv,
-            enable_prefix_caching=False,
-            max_num_seqs=batch,
-            max_model_len=tokens,
-            max_num_batched_tokens=max(2048, tokens),
-            kv_cache_memory=1.1 * pool_gib + 0.01,
-        )
+    return decoding_engine(
+        model_dir,
+        batch,
+        context,
+        args.seed,
+        args.rounds + 32,
+        quantization=args.quantization,
+        kv_cache_dtype=kv,
+        max_model_len=tokens,
+        max_num_batched_tokens=max(2048, tokens),
+        kv_cache_memory=1.1 * pool_gib + 0.01,
     )
-    rng = random.Random(args.seed)
-    params = SamplingParams(temperature=0.0, max_tokens=args.rounds + 32, ignore_eos=True, detokenize=False)
-    for i in range(batch):
-        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(context)]}, params)
-    while sum(1 for out in engine.step() if out.outputs and out.outputs[0].token_ids) < batch:
-        pass  # prefill (in chunks) until every request has its first token
-    for _ in range(3):  # warm-up; the first decode step builds the decode stack
-        engine.step()
-    return engine
 
 
 def measure(model_dir: Path, batch: int, context: int, args: argparse.Namespace) -> list[tuple[Any, ...]]:

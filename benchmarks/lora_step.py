@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -34,8 +33,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine
+from benchmarks.decoding import decoding_engine
 from pagedllm.entrypoints.bench.common import (
     SMOLLM_135M_SHAPE,
     env_line,
@@ -46,7 +44,6 @@ from pagedllm.entrypoints.bench.common import (
 from pagedllm.lora.peft_files import TARGET_MODULES, projection_shape
 from pagedllm.lora.request import LoRARequest
 from pagedllm.model_arch import ModelArchConfig, RopeConfig
-from pagedllm.sampling_params import SamplingParams
 
 
 def _arch() -> ModelArchConfig:
@@ -78,25 +75,7 @@ def write_adapter(path: Path, rank: int, seed: int) -> Path:
 
 def _engine(model_dir: Path, batch: int, loras: list[LoRARequest | None], stack: bool, **kw: Any) -> Any:
     os.environ["PAGEDLLM_CPU_DECODE_STACK"] = "1" if stack else "0"  # read when the stack is built
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model_dir),
-            load_format="dummy",
-            dtype="float32",
-            enable_prefix_caching=False,
-            max_num_seqs=batch,
-            kv_cache_memory=0.25,
-            **kw,
-        )
-    )
-    rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
-    for i in range(batch):
-        prompt = {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(32)]}
-        engine.add_request(str(i), prompt, params, lora_request=loras[i % len(loras)])
-    for _ in range(4):  # prefill and warm-up (the stack is built, the adapters loaded)
-        engine.step()
-    return engine
+    return decoding_engine(model_dir, batch, 32, 0, 10_000, lora_requests=loras, kv_cache_memory=0.25, **kw)
 
 
 def _timed(engine: Any) -> float:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import statistics
 import tempfile
 import time
@@ -24,33 +23,15 @@ from typing import Any
 
 import torch
 
-from pagedllm.config import EngineArgs
-from pagedllm.engine.llm_engine import LLMEngine
+from benchmarks.decoding import decoding_engine
 from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
 from pagedllm.entrypoints.bench.engine_probe import model_runner
 from pagedllm.layers.cpu_gemm_kernels import load_cpu_gemm
-from pagedllm.sampling_params import SamplingParams
 
 
 def _engine(model_dir: Path, stack: bool, batch: int, seed: int) -> Any:
     os.environ["PAGEDLLM_CPU_DECODE_STACK"] = "1" if stack else "0"  # read when the stack is built
-    engine = LLMEngine.from_engine_args(
-        EngineArgs(
-            model=str(model_dir),
-            load_format="dummy",
-            dtype="float32",
-            enable_prefix_caching=False,
-            max_num_seqs=max(batch, 1),
-            kv_cache_memory=1,
-        )
-    )
-    rng = random.Random(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True, detokenize=False)
-    for i in range(batch):
-        engine.add_request(str(i), {"prompt_token_ids": [rng.randrange(10, 40_000) for _ in range(32)]}, params)
-    for _ in range(4):  # prefill and warm-up; the first decode step builds the stack
-        engine.step()
-    return engine
+    return decoding_engine(model_dir, batch, 32, seed, 10_000, kv_cache_memory=1)
 
 
 def _packed_weights(engine: Any) -> list[torch.Tensor]:

@@ -11,18 +11,52 @@
 // Under tensor parallelism (shm_segment given) each rank holds its heads' and MLP columns' shards
 // and sums the row-parallel outputs (o_proj, down_proj) over the ranks right after them with the
 // shared-memory all-reduce (cpu_shm_allreduce.cpp), as RowParallelLinear does through TPGroup.
-// Op: decode_stack_ (layers/cpu_decode_stack.py decides when it applies).
+// Op: decode_stack_ (layers/cpu_decode_stack.py decides when it applies). decode_stack_phases turns
+// on (or off) a wall-clock split of the stack's steps by phase and hands back what it summed:
+// benchmarks/decode_breakdown.py prints it (where a step's time goes at each batch size, ISA and
+// weight method); while off, each phase costs one predictable branch.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <array>
+#include <atomic>
+#include <chrono>
 #include <optional>
 #include <vector>
 
 #include "cpu_kernels.h"
 
 namespace {
+
+// The phases of a step that decode_stack_phases times, in its tensor's order.
+enum Phase : int { kNorms, kQkv, kRope, kKvWrite, kAttention, kOProj, kGateUp, kSilu, kDown, kAllReduce, kPhases };
+
+struct PhaseTimes {
+  std::atomic<bool> on{false};
+  std::array<double, kPhases> seconds{};  // summed over the steps since the last read
+  int64_t steps = 0;
+};
+PhaseTimes phase_times;
+
+// Adds the time since the last mark (or construction) to a phase, when timing is on.
+class PhaseClock {
+ public:
+  PhaseClock() : on_(phase_times.on.load(std::memory_order_relaxed)) {
+    if (on_) last_ = std::chrono::steady_clock::now();
+  }
+  void mark(Phase phase) {
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    phase_times.seconds[phase] += std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  bool on_;
+  std::chrono::steady_clock::time_point last_;
+};
 
 // How each of the stack's linears is stored (its layer's quant_method; a GGUF file's may differ).
 // kInt4Offset / kW4A8Offset: int4 / w4a8 whose zero tensor holds offsets, W = q s + b (GGUF Q4_1).
@@ -95,6 +129,7 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const Layers& w, si
                    const at::Tensor& seq_lens, int64_t heads, int64_t kv_heads, int64_t head_dim, double scale,
                    double eps) {
   const int64_t tokens = hidden.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  PhaseClock clock;
   if (!residual.defined()) {
     residual = hidden;
     hidden = at::empty_like(residual);
@@ -102,19 +137,33 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const Layers& w, si
   } else {
     fused_add_rms_norm_(hidden, residual, w.input_norm[i], eps);
   }
+  clock.mark(kNorms);
   const at::Tensor qkv = w.linear(i, 0, hidden, w.qkv_bias[i]);
+  clock.mark(kQkv);
   const at::Tensor q = qkv.narrow(1, 0, q_size), k = qkv.narrow(1, q_size, kv_size);
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size);
   rotary_embedding_(positions, q, k, cos_sin, head_dim);
+  clock.mark(kRope);
   write_kv_cache(k, v, w.kv_cache[i], slots);
+  clock.mark(kKvWrite);
   at::Tensor attn = at::empty({tokens, heads, head_dim}, hidden.options());
   paged_decode_attention(attn, q.view({tokens, heads, head_dim}), w.kv_cache[i][0], w.kv_cache[i][1], table,
                          seq_lens, scale, w.windows[i]);
+  clock.mark(kAttention);
   hidden = w.linear(i, 1, attn.view({tokens, q_size}), std::nullopt);
+  clock.mark(kOProj);
   if (w.tp) w.tp->all_reduce(hidden);
+  clock.mark(kAllReduce);
   fused_add_rms_norm_(hidden, residual, w.post_norm[i], eps);
-  hidden = w.linear(i, 3, silu_and_mul(w.linear(i, 2, hidden, std::nullopt)), std::nullopt);
+  clock.mark(kNorms);
+  const at::Tensor gate_up = w.linear(i, 2, hidden, std::nullopt);
+  clock.mark(kGateUp);
+  const at::Tensor act = silu_and_mul(gate_up);
+  clock.mark(kSilu);
+  hidden = w.linear(i, 3, act, std::nullopt);
+  clock.mark(kDown);
   if (w.tp) w.tp->all_reduce(hidden);
+  clock.mark(kAllReduce);
 }
 
 // hidden: the embedded tokens [T, H] (consumed: it becomes the residual stream); one query row
@@ -161,8 +210,24 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
   for (size_t i = 0; i < n; ++i)
     decoder_layer(hidden, residual, w, i, positions, cos_sin_cache, slot_mapping, block_table, seq_lens, heads,
                   kv_heads, head_dim, scale, eps);
+  PhaseClock clock;
   fused_add_rms_norm_(hidden, residual, final_norm, eps);
+  clock.mark(kNorms);
+  if (phase_times.on.load(std::memory_order_relaxed)) ++phase_times.steps;
   return hidden;
+}
+
+// The seconds each phase took, summed over the stack's steps since the last call, then the number
+// of those steps ([kPhases + 1] float64); clears them, and times the next steps when `on`.
+at::Tensor decode_stack_phases(bool on) {
+  at::Tensor out = at::empty({kPhases + 1}, at::TensorOptions().dtype(at::kDouble));
+  double* o = out.data_ptr<double>();
+  for (int p = 0; p < kPhases; ++p) o[p] = phase_times.seconds[p];
+  o[kPhases] = static_cast<double>(phase_times.steps);
+  phase_times.seconds.fill(0.0);
+  phase_times.steps = 0;
+  phase_times.on.store(on, std::memory_order_relaxed);
+  return out;
 }
 
 }  // namespace
@@ -174,8 +239,10 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
         "Tensor block_table, Tensor seq_lens, int heads, int kv_heads, int head_dim, float scale, float eps, "
         "Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_slots, int max_loras, int max_rank, Tensor(c!)? shm_segment, "
         "Tensor(d!)? shm_state, int tp_rank, int tp_size, int shm_slot_bytes, float shm_timeout_s) -> Tensor");
+  m.def("decode_stack_phases(bool on) -> Tensor", &decode_stack_phases);  // no tensor in: one kernel for all
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {
   m.impl("decode_stack_", &decode_stack_);
 }
+

@@ -122,6 +122,32 @@ class DecodeStack:
         return self.shm.segment, self.shm.state, self.tp_rank, self.tp_size, self.shm.slot_bytes, self.shm.timeout_s
 
 
+# The phases ``decode_stack_phases`` times, in its tensor's order (csrc/cpu_decode_stack.cpp's Phase).
+STACK_PHASES = (
+    "norms",
+    "qkv_proj",
+    "rope",
+    "kv_write",
+    "attention",
+    "o_proj",
+    "gate_up_proj",
+    "silu_and_mul",
+    "down_proj",
+    "all_reduce",
+)
+
+
+def stack_phase_seconds(on: bool, level: str | None = None) -> tuple[dict[str, float], int]:
+    """The seconds each phase of the decode stack's steps took since the last call (in this
+    process, the ``level`` build's op), and how many steps that was; clears them, and times the
+    steps that follow when ``on`` (a clock read per phase; off by default)."""
+    ops = cpu_ops(level)
+    if ops is None:
+        raise RuntimeError("the CPU kernels are not built (or PAGEDLLM_CPU_KERNELS=0): no decode stack to time")
+    times = ops.decode_stack_phases(on).tolist()
+    return dict(zip(STACK_PHASES, times[:-1], strict=True)), int(times[-1])
+
+
 def applies(metadata: Any, hidden: torch.Tensor) -> bool:
     """Whether this step's batch can take the op: every token a row-wise query on the kernel."""
     return (

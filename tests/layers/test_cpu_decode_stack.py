@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from pagedllm.layers.cpu_decode_stack import STACK_PHASES, stack_phase_seconds
 from pagedllm.layers.cpu_kernels import cpu_ops
 
 pytestmark = pytest.mark.skipif(cpu_ops() is None, reason="the CPU kernels did not build here")
@@ -59,3 +60,22 @@ def test_stack_takes_the_quantized_methods_bitwise(llama_model_dir, monkeypatch,
     stacked, stack = _run(llama_model_dir, monkeypatch, stack_on=True, quantization=quantization)
     assert stack is not None and set(stack.methods) == {{"int8": 1, "w8a8": 2, "int4": 3, "w4a8": 4}[quantization]}
     _same(stacked, modules)
+
+
+def test_stack_times_its_phases_when_asked(llama_model_dir, monkeypatch):
+    """decode_stack_phases (benchmarks/decode_breakdown.py): while on, every phase of every stack
+    step is timed and the steps counted; the tokens do not change; off, nothing is summed."""
+    untimed, _ = _run(llama_model_dir, monkeypatch, stack_on=True)
+    stack_phase_seconds(True)
+    timed, stack = _run(llama_model_dir, monkeypatch, stack_on=True)
+    phases, steps = stack_phase_seconds(False)
+    assert stack is not None
+    _same(timed, untimed)
+    # Two generate calls of 12 tokens: at least 11 decode steps each ran the stack.
+    assert steps >= 22
+    assert set(phases) == set(STACK_PHASES)
+    assert all(phases[name] > 0 for name in STACK_PHASES if name != "all_reduce"), phases
+    assert phases["all_reduce"] >= 0  # one rank: only the clock reads between the phases
+    _run(llama_model_dir, monkeypatch, stack_on=True)
+    after, steps_after = stack_phase_seconds(False)
+    assert steps_after == 0 and all(s == 0 for s in after.values())
