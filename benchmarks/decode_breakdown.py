@@ -4,8 +4,9 @@
                                           [--context 32] [--steps 30] [--settle 2]
 
 An engine on the SmolLM-135M-shaped dummy model (float32 weights, or ``--quantization``) holds B
-running requests of ``--context`` prompt tokens. After a warm-up and ``--settle`` seconds (the KV
-prefaulter's first pass runs in that time, not in the timed steps), ``--steps`` decode steps are
+running requests of ``--context`` prompt tokens, in a KV pool sized to the timed steps. After a
+warm-up and ``--settle`` seconds (the KV prefaulter faults the pool in during that time, not in
+the timed steps: on a VM a first touch of fresh pages costs more than the step's writes), ``--steps`` decode steps are
 timed whole while the decode stack's op times its own phases (``decode_stack_phases``: norms, the
 four projections, RoPE, the K/V write, attention, SiLU, the TP all-reduce) and the engine probe
 of ``bench latency`` times the model's forward and LM head. Reported per batch size: each
@@ -24,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decoding import decoding_engine
-from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
+from pagedllm.entrypoints.bench.common import env_line, environment, format_table, read_hf_config, write_dummy_model_dir
 from pagedllm.entrypoints.bench.engine_probe import EngineProbe
+from pagedllm.entrypoints.bench.machine import model_cost
 from pagedllm.layers.cpu_decode_stack import STACK_PHASES, stack_phase_seconds
 from pagedllm.layers.cpu_kernels import kernel_build
 
@@ -33,8 +35,20 @@ from pagedllm.layers.cpu_kernels import kernel_build
 def breakdown(model_dir: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """One batch size: each phase's ms per step (sums over the timed steps, divided), the
     embedding and LM head, the rest of the engine, and the whole step."""
+    # A pool as big as the timed steps need, all of it faulted in before they run (the prefaulter
+    # keeps 128 MiB ahead; on a VM a first touch of fresh pages costs more than the step's writes).
+    tokens = args.context + args.steps + 64
+    pool_gib = batch * tokens * model_cost(read_hf_config(model_dir), "float32", "auto").kv_bytes_per_token / 2**30
     engine = decoding_engine(
-        model_dir, batch, args.context, args.seed, 10_000, quantization=args.quantization, kv_cache_memory=1
+        model_dir,
+        batch,
+        args.context,
+        args.seed,
+        args.steps + 32,
+        quantization=args.quantization,
+        max_model_len=tokens,
+        max_num_batched_tokens=max(2048, tokens),
+        kv_cache_memory=1.1 * pool_gib + 0.01,
     )
     probe = EngineProbe(engine, "cpu")  # times the model's forward and LM head inside each step
     time.sleep(args.settle)
