@@ -96,7 +96,7 @@ def main() -> None:
         help="caches of this many layers (up to ~256 MB of them), each call the next layer's: with 30, "
         "K/V come from memory as in a model's step, where the weights streaming past evict them, once "
         "the layers a timed batch of calls goes round outgrow the last-level cache; small batches at "
-        "short contexts stay in a big L3 (64 sequences of 50 tokens: ~3 MB a layer) "
+        "short contexts stay in a big L3 (64 sequences of 50 tokens: ~5 MB of K/V a layer) "
         "(default 1: one layer's, in cache between calls when small)",
     )
     p.add_argument(
