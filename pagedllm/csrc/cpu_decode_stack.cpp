@@ -245,4 +245,3 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {
   m.impl("decode_stack_", &decode_stack_);
 }
-
