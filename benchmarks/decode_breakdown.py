@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.decoding import decoding_engine
-from pagedllm.entrypoints.bench.common import env_line, environment, format_table, read_hf_config, write_dummy_model_dir
+from pagedllm.entrypoints.bench.common import env_line, environment, format_table, write_dummy_model_dir
 from pagedllm.entrypoints.bench.engine_probe import EngineProbe
-from pagedllm.entrypoints.bench.machine import model_cost
 from pagedllm.layers.cpu_decode_stack import STACK_PHASES, stack_phase_seconds
 from pagedllm.layers.cpu_kernels import kernel_build
 
@@ -35,20 +34,15 @@ from pagedllm.layers.cpu_kernels import kernel_build
 def breakdown(model_dir: Path, batch: int, args: argparse.Namespace) -> dict[str, Any]:
     """One batch size: each phase's ms per step (sums over the timed steps, divided), the
     embedding and LM head, the rest of the engine, and the whole step."""
-    # A pool as big as the timed steps need, all of it faulted in before they run (the prefaulter
-    # keeps 128 MiB ahead; on a VM a first touch of fresh pages costs more than the step's writes).
-    tokens = args.context + args.steps + 64
-    pool_gib = batch * tokens * model_cost(read_hf_config(model_dir), "float32", "auto").kv_bytes_per_token / 2**30
+    # A pool as big as the timed steps need, faulted in during the settle time.
     engine = decoding_engine(
         model_dir,
         batch,
         args.context,
         args.seed,
         args.steps + 32,
+        pool_tokens=args.context + args.steps + 64,
         quantization=args.quantization,
-        max_model_len=tokens,
-        max_num_batched_tokens=max(2048, tokens),
-        kv_cache_memory=1.1 * pool_gib + 0.01,
     )
     probe = EngineProbe(engine, "cpu")  # times the model's forward and LM head inside each step
     time.sleep(args.settle)

@@ -30,19 +30,15 @@ CACHE_DTYPES = ("auto", "bfloat16", "float16")
 
 
 def _engine(model_dir: Path, kv: str, batch: int, context: int, args: argparse.Namespace) -> Any:
-    tokens = context + args.rounds + 64
-    pool_gib = batch * tokens * model_cost(read_hf_config(model_dir), "float32", kv).kv_bytes_per_token / 2**30
     return decoding_engine(
         model_dir,
         batch,
         context,
         args.seed,
         args.rounds + 32,
+        pool_tokens=context + args.rounds + 64,
         quantization=args.quantization,
         kv_cache_dtype=kv,
-        max_model_len=tokens,
-        max_num_batched_tokens=max(2048, tokens),
-        kv_cache_memory=1.1 * pool_gib + 0.01,
     )
 
 

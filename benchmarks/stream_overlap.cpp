@@ -12,6 +12,7 @@
 //   stream_overlap MIB THREADS W[,W...] S[,S...] D[,D...]
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
