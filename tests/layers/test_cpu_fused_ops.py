@@ -36,18 +36,21 @@ def test_silu_and_mul_vector_exp_over_the_whole_range(kernels):
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_write_kv_cache_matches_index_copy(kernels, cache_dtype):
     """float32 K/V into a float32 cache, or a 16-bit one (--kv-cache-dtype) rounded as torch's
-    .to() rounds: bitwise the reference write_kv."""
+    .to() rounds: bitwise the reference write_kv. 19 tokens: a batch the kernel splits over threads,
+    with padding rows (slot -1) among them."""
     blocks, block_size, kv_heads, dim = 6, 4, 2, 8
-    qkv = torch.randn(5, (4 + 2 * kv_heads) * dim) * 1e3  # k and v are strided views, as in the models
+    qkv = torch.randn(19, (4 + 2 * kv_heads) * dim) * 1e3  # k and v are strided views, as in the models
     k, v = qkv[:, 4 * dim : (4 + kv_heads) * dim], qkv[:, (4 + kv_heads) * dim :]
-    slots = torch.tensor([3, 9, 10, 23, 0])
+    slots = torch.randperm(blocks * block_size, generator=torch.Generator().manual_seed(0))[:19]
+    slots[[2, 11]] = -1
     fused = torch.zeros(2, blocks, block_size, kv_heads, dim, dtype=cache_dtype)
     kernels.write_kv_cache(k, v, fused, slots)
     reference = torch.zeros_like(fused)
-    write_kv(reference, k, v, slots)
+    keep = slots >= 0
+    write_kv(reference, k[keep], v[keep], slots[keep])
     assert torch.equal(fused, reference) and fused.any()
     skipped = torch.zeros_like(fused)
-    kernels.write_kv_cache(k, v, skipped, torch.tensor([-1, -1, -1, -1, -1]))  # padding rows write nothing
+    kernels.write_kv_cache(k, v, skipped, torch.full((19,), -1))  # padding rows write nothing
     assert not skipped.any()
 
 
