@@ -20,7 +20,7 @@ namespace {
 
 using namespace pagedllm_vec;
 
-// Token rows per thread's task in RoPE, the K/V write and the norms: a decode batch of 16 or more
+// Token rows per thread's task in RoPE, the K/V write and the norms: a batch of more than 8 rows
 // splits over the step's threads. Their inputs were written by both threads (the GEMMs split the
 // columns) and the K/V rows go to cache lines last touched long ago, so a row costs more than
 // its arithmetic: at 64 rows on one thread the write took ~30 us a layer inside a step, 3.5 us
