@@ -18,8 +18,8 @@ from pagedllm.config import EngineArgs
 from pagedllm.hf_config import load_arch_config
 from pagedllm.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import int4
-from pagedllm.layers.quantization.awq import AWQConfig
-from pagedllm.layers.quantization.gptq import GPTQConfig
+from pagedllm.layers.quantization.awq import AWQConfig, unpack_columns
+from pagedllm.layers.quantization.gptq import GPTQ_ORDER, GPTQConfig, v1_zero_words_to_v2
 from pagedllm.models.loader import load_model
 from tests.layers.int4_reference import (
     as_tensor,
@@ -41,15 +41,27 @@ def test_packers_match_the_formats_constants():
     assert pack_gptq_columns(values).view(np.uint32)[0, 0] == 0x76543210
 
 
+def test_v1_zero_points_of_0_take_back_the_borrow():
+    """A v1 word holds z - 1 per nibble, written by subtracting 0x11111111 from the v2 word: z = 0
+    at nibble 0 stores 0xF there and borrows 1 from nibble 1 (its z = 5 stores 3, not 4)."""
+    v2 = pack_gptq_columns(np.array([[0, 5, 0, 0, 15, 1, 0, 9]], dtype=np.uint8))
+    v1 = (v2.view(np.uint32) - np.uint32(0x11111111)).view(np.int32)
+    assert v1.view(np.uint32)[0, 0] == 0x7F0DEF3F
+    zeros = unpack_columns(v1_zero_words_to_v2(as_tensor(v1)), GPTQ_ORDER)
+    assert zeros.tolist() == [[0, 5, 0, 0, 15, 1, 0, 9]]
+
+
 def checkpoint_tensors(method: str, q, scale, zero, g_idx, v1: bool = True) -> dict[str, torch.Tensor]:
     """One layer's tensors as the format stores them (transposed to [in, out])."""
     scales = as_tensor(scale.T).half()
     if method == "awq":
         return {"qweight": as_tensor(pack_awq(q.T)), "qzeros": as_tensor(pack_awq(zero.T)), "scales": scales}
-    stored_zero = (zero.astype(np.int16) - (1 if v1 else 0)) & 15
+    qzeros = pack_gptq_columns(zero.T)
+    if v1:  # as GPTQModel exports v1: 0x11111111 off each whole word (a zero point of 0 borrows)
+        qzeros = (qzeros.view(np.uint32) - np.uint32(0x11111111)).view(np.int32)
     return {
         "qweight": as_tensor(pack_gptq_rows(q.T)),
-        "qzeros": as_tensor(pack_gptq_columns(stored_zero.T.astype(np.uint8))),
+        "qzeros": as_tensor(qzeros),
         "scales": scales,
         "g_idx": as_tensor(g_idx),
     }

@@ -6,7 +6,8 @@ GPTQ stores per linear, K inputs, N outputs, G groups:
   qzeros  int32 [G, N / 8]: the zero points packed along N, in order;
   scales  [G, N];  g_idx int32 [K]: each input's group.
 W[n, k] = (q - z) * s with the group g_idx[k]. ``checkpoint_format: gptq`` (v1, the default)
-stores z - 1 (AutoGPTQ's historical offset), ``gptq_v2`` z itself; symmetric (``sym``)
+stores z - 1 (AutoGPTQ's historical offset) as GPTQModel writes it, by subtracting 0x11111111
+from each whole word, so a zero point of 0 borrows from the nibble above; ``gptq_v2`` z itself; symmetric (``sym``)
 checkpoints store z = 8 like any other, so the stored zeros are used either way. Without ``desc_act`` the
 groups are consecutive runs of ``group_size`` inputs and g_idx is not needed. With it (act-order)
 the groups interleave: the loader sorts the inputs by group (a permutation, kept to reorder the
@@ -42,6 +43,15 @@ GPTQ_ORDER = tuple(range(PACK))
 def unpack_rows(words: torch.Tensor) -> torch.Tensor:
     """int32 [R, C] packed along rows, in order -> uint8 [8 R, C]."""
     return unpack_columns(words.t().contiguous(), GPTQ_ORDER).t()
+
+
+def v1_zero_words_to_v2(words: torch.Tensor) -> torch.Tensor:
+    """v1 qzeros words -> the zero points themselves (v2): add 0x11111111 to each whole word, the
+    inverse of GPTQModel's v2-to-v1 export (and its own v1 loader). Where no zero point is 0 this is
+    1 added to each nibble; where one is, it takes back the borrow that the export took from the
+    nibble above, which adding 1 per nibble would miss."""
+    wide = (words.to(torch.int64) + 0x11111111) & 0xFFFFFFFF
+    return (wide - ((wide >> 31) << 32)).to(torch.int32)  # back into int32's range, same bits
 
 
 def act_order_permutation(g_idx: torch.Tensor, group: int) -> torch.Tensor:
@@ -116,9 +126,10 @@ class GPTQLinearMethod(Int4KernelMethod):
             return
         typed = cast(_GPTQLayer, layer)
         q = unpack_rows(typed.qweight.data).t()
-        zero = unpack_columns(typed.qzeros.data, GPTQ_ORDER)
+        words = typed.qzeros.data
         if self.config.checkpoint_format == "gptq":
-            zero = (zero + 1) & 15  # v1 stored z - 1 (z = 0 wrapped to 15)
+            words = v1_zero_words_to_v2(words)
+        zero = unpack_columns(words, GPTQ_ORDER)
         scale, dtype = typed.scales.data.float().t().contiguous(), typed.scales.dtype
         perm = act_order_permutation(typed.g_idx.data, self.checkpoint_group) if self.config.desc_act else None
         for name in ("qweight", "qzeros", "scales", "g_idx"):
