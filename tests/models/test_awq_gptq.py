@@ -203,6 +203,8 @@ def _load(model_dir: Path) -> None:
         ({"group_size": 48}, "group_size 48 does not divide a layer's in_features 64"),
         ({"group_size": 16}, "cannot load checkpoint tensor .*qzeros"),  # tensors written for groups of 32
         ({"checkpoint_format": "marlin"}, "checkpoint_format must be one of"),
+        ({"is_marlin_format": True}, "marlin's repacked layout"),
+        ({"lm_head": True}, "quantized LM head"),
     ],
 )
 def test_bad_gptq_configs_are_value_errors(llama_model_dir, tmp_path, config, match):

@@ -156,6 +156,16 @@ class GPTQConfig(QuantizationConfig):
             raise ValueError(
                 f"gptq checkpoint_format must be one of {', '.join(CHECKPOINT_FORMATS)}, got {checkpoint_format!r}"
             )
+        if config.get("is_marlin_format"):
+            raise ValueError(
+                "gptq checkpoints in marlin's repacked layout (is_marlin_format: true) are not supported; "
+                "use the plain gptq export of the model"
+            )
+        if config.get("lm_head"):
+            raise ValueError(
+                "gptq checkpoints with a quantized LM head (lm_head: true) are not supported; "
+                "use one quantized with the LM head left in float (GPTQModel's default)"
+            )
         desc_act = bool(config.get("desc_act", False))
         if desc_act and get_tp_group().size > 1:
             raise ValueError("gptq checkpoints with desc_act (act-order) load only at tensor_parallel_size 1")
