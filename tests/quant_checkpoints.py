@@ -60,7 +60,10 @@ def fp8(block: tuple[int, int] | str | None, scale_name: str = "weight_scale_inv
 
 
 def int8_channel(symmetric: bool = True, group_size: int | None = None, packed: bool = False) -> Packer:
-    """compressed-tensors int8: per channel or per group, optionally asymmetric or int32-packed."""
+    """compressed-tensors int8: per channel or per group, optionally asymmetric or int32-packed.
+    Symmetric as the library quantizes it: scale = absmax / 127.5, codes clamped to [-128, 127],
+    so a row (group) whose largest weight is negative stores -128. Packed, the asymmetric zero
+    points are packed too, four per int32 down the output dim ([out / 4, groups])."""
 
     def pack(w: torch.Tensor) -> Packed:
         x = w.numpy()
@@ -68,7 +71,7 @@ def int8_channel(symmetric: bool = True, group_size: int | None = None, packed: 
         blocks = x.reshape(x.shape[0], -1, g)
         lo, hi = blocks.min(axis=2), blocks.max(axis=2)
         if symmetric:
-            scale, zp = np.maximum(np.abs(blocks).max(axis=2), 1e-12) / 127, np.zeros_like(lo)
+            scale, zp = np.maximum(np.abs(blocks).max(axis=2), 1e-12) / 127.5, np.zeros_like(lo)
         else:
             scale = np.maximum(hi - lo, 1e-12) / 255
             zp = np.round(-128 - lo / scale)
@@ -77,7 +80,8 @@ def int8_channel(symmetric: bool = True, group_size: int | None = None, packed: 
         q8 = torch.from_numpy(q.reshape(x.shape).astype(np.int8))
         out = {"weight_scale": torch.from_numpy(scale.astype(np.float32))}
         if not symmetric:
-            out["weight_zero_point"] = torch.from_numpy(zp.astype(np.int8))
+            zp8 = torch.from_numpy(zp.astype(np.int8))
+            out["weight_zero_point"] = pack_int32(zp8.T.contiguous()).T.contiguous() if packed else zp8
         if packed:
             out["weight_packed"], out["weight_shape"] = pack_int32(q8), torch.tensor(list(x.shape))
         else:

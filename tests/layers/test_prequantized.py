@@ -13,11 +13,12 @@ import numpy as np
 import pytest
 import torch
 
+from pagedllm.layers.cpu_gemm_kernels import unpack_int8
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.layers.quantization.bitsandbytes import dequantize_4bit
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, load_int8_gemm
-from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod, quantize_per_token
+from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod, quantize_per_token, unpack_w8a8
 from tests import quant_checkpoints as qc
 
 W8A8 = {"num_bits": 8, "type": "int", "strategy": "token", "dynamic": True, "symmetric": True}
@@ -44,8 +45,14 @@ def bnb4(kind: str) -> dict:
 FORMATS = {
     "fp8-block": ({"quant_method": "fp8", "weight_block_size": [16, 32]}, qc.fp8((16, 32)), False),
     "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "static"}, qc.fp8(None, "weight_scale"), False),
-    "ct-w8a8": (ct("int-quantized", INT_CHANNEL, W8A8), qc.int8_channel(), True),
+    # Not exact: W8A8's kernel takes the -128 codes as -127 (test_w8a8_keeps_the_checkpoint_codes).
+    "ct-w8a8": (ct("int-quantized", INT_CHANNEL, W8A8), qc.int8_channel(), False),
     "ct-w8a16-packed": (ct("pack-quantized", INT_CHANNEL), qc.int8_channel(packed=True), True),
+    "ct-w8a16-packed-asym": (
+        ct("pack-quantized", {"type": "int", "strategy": "group", "group_size": 16, "symmetric": False}),
+        qc.int8_channel(symmetric=False, group_size=16, packed=True),
+        False,
+    ),
     "ct-w8a16-group-asym": (
         ct("naive-quantized", {"type": "int", "strategy": "group", "group_size": 16, "symmetric": False}),
         qc.int8_channel(symmetric=False, group_size=16),
@@ -118,6 +125,25 @@ def _check(layer, w: np.ndarray, exact: bool) -> None:
     step = torch.from_numpy(np.abs(w).max(axis=1) / 127).float()
     bound = 1e-4 + (0 if exact else x.abs() @ torch.ones(w.shape[1], 1) * step / 2)
     assert ((got - want).abs() <= bound + 1e-3 * want.abs()).all(), (got - want).abs().max()
+
+
+def test_symmetric_int8_per_channel_keeps_the_checkpoint_codes() -> None:
+    """compressed-tensors' symmetric int8 (scale = absmax / 127.5) stores -128 where a row's largest
+    weight is negative: W8A16 keeps every code and scale as stored, W8A8 the same but -128 as -127."""
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(5)) / 8
+    stored, _ = qc.int8_channel()(w)
+    q, scale = stored["weight"], stored["weight_scale"]
+    assert bool((q == -128).any())
+    for fmt, want in (("ct-w8a16-packed", q), ("ct-w8a8", q.clamp(min=-127))):
+        quant_config = FORMATS[fmt][0]
+        config = get_quantization_config(quant_config["quant_method"], quant_config)
+        parts = FORMATS[fmt][1](w)[0]
+        layer = _loaded_layer(config, RowParallelLinear(64, 32, quant_config=config), {"o": parts})
+        if isinstance(layer.quant_method, W8A8LinearMethod):
+            assert torch.equal(unpack_w8a8(layer.weight, 64), want)
+        elif load_int8_gemm() is not None:
+            assert torch.equal(unpack_int8(layer.weight), want)
+        assert torch.equal(layer.weight_scale, scale.reshape(-1))
 
 
 @pytest.mark.parametrize("kind", ["nf4", "fp4"])

@@ -119,10 +119,11 @@ def test_fused_and_row_layers_match_numpy(scheme):
         np.testing.assert_allclose(layer(torch.from_numpy(x)).numpy(), want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_w4a16_greedy_equals_transformers_on_the_dequantized_weights(llama_model_dir, tmp_path, scheme):
+# actorder "weight" ordered only the calibration: plain consecutive groups, no g_idx stored.
+@pytest.mark.parametrize(("scheme", "extra"), [*((s, {}) for s in SCHEMES), ("group16", {"actorder": "weight"})])
+def test_w4a16_greedy_equals_transformers_on_the_dequantized_weights(llama_model_dir, tmp_path, scheme, extra):
     group, symmetric = SCHEMES[scheme]
-    quant = config(group, symmetric)
+    quant = config(group, symmetric, **extra)
     oracle = qc.write_checkpoint(llama_model_dir, tmp_path / "w4a16", quant, w4a16(group, symmetric))
     llm = LLM(str(tmp_path / "w4a16"), kv_cache_memory=0.05, max_model_len=128)
     assert llm.llm_engine.config.model_config.quantization == "compressed-tensors"
@@ -152,6 +153,7 @@ def test_w4a16_schemes_the_kernel_cannot_run_are_refused(llama_model_dir, tmp_pa
     [
         ({"format": "naive-quantized"}, "must be stored pack-quantized"),
         ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "leaves linears unquantized"),
+        ({"ignore": []}, "LM head is 4-bit too"),
     ],
 )
 def test_w4a16_layouts_the_int4_layers_cannot_hold_are_refused(llama_model_dir, tmp_path, change, match):

@@ -14,9 +14,10 @@ What loads, and on which CPU method:
 - ``float-quantized`` FP8 (per channel, per tensor or 128x128 blocks) -> int8, requantized as
   in ``fp8.py``; FP8 activation quantization does not happen on CPU.
 
-Symmetric int8 per channel loads exactly (its Q and scales are the kernel's); every other int8
-scheme (groups, blocks, a zero point, which folds into the float weight) is dequantized per layer
-and requantized per output channel. 4-bit weights with float activations (W4A16
+Symmetric int8 per channel loads exactly (its Q and scales are the kernel's; W8A8's kernel
+takes -128 as -127, see ``w8a8.py``); every other int8 scheme (groups, blocks, a zero point,
+which folds into the float weight) is dequantized per layer and requantized per output channel.
+Packed asymmetric int8 stores its zero points packed too, four per int32 along the output dim. 4-bit weights with float activations (W4A16
 ``pack-quantized``, group or channel, symmetric or with zero points) run on the int4 kernel
 instead (``compressed_int4.py``).
 """
@@ -88,13 +89,24 @@ class CompressedScheme(CheckpointScheme):
         where = f"{prefix}.weight_scale"
         w = q.float()
         if not self.symmetric:
-            w -= expand_scale(parts["weight_zero_point"], q.shape, self.block(q.shape), f"{prefix}.weight_zero_point")
+            w -= expand_scale(
+                self.zero_points(prefix, parts), q.shape, self.block(q.shape), f"{prefix}.weight_zero_point"
+            )
         return quantize_per_channel(w * expand_scale(scale, q.shape, self.block(q.shape), where))
 
     def exact(self, q: torch.Tensor, scale: torch.Tensor, parts: dict[str, torch.Tensor]) -> bool:
         """Symmetric int8 per channel: Q and the scales are already the kernel's."""
         per_row = scale.numel() == q.shape[0] and self.strategy == "channel"
-        return per_row and q.dtype == torch.int8 and self.symmetric and bool(q.ne(-128).all())
+        return per_row and q.dtype == torch.int8 and self.symmetric
+
+    def zero_points(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The asymmetric scheme's zero points [out, groups]: as stored, or unpacked when the
+        weight is packed (``pack_to_int32`` along the output dim: [out / 4, groups] int32)."""
+        zp = parts["weight_zero_point"]
+        if "weight_packed" not in parts:
+            return zp
+        out, name = int(parts["weight_shape"][0]), f"{prefix}.weight_zero_point"
+        return unpack_int32(zp.t().contiguous(), self.num_bits, (zp.shape[-1], out), name).t()
 
     def codes(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """Q [out, in]: int8 (unpacked when packed) or float8."""
@@ -105,17 +117,19 @@ class CompressedScheme(CheckpointScheme):
                 raise ValueError(f"{prefix}.weight is {q.dtype} {tuple(q.shape)}; this scheme stores 2-D {want[0]}")
             return q
         shape = parts["weight_shape"].tolist()
-        return unpack_int32(parts["weight_packed"], self.num_bits, (int(shape[0]), int(shape[1])), prefix)
+        return unpack_int32(
+            parts["weight_packed"], self.num_bits, (int(shape[0]), int(shape[1])), f"{prefix}.weight_packed"
+        )
 
 
-def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], prefix: str) -> torch.Tensor:
+def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], name: str) -> torch.Tensor:
     """compressed-tensors' ``pack_to_int32`` undone: 32 / num_bits values per int32 along the
-    input dim, lowest bits first, each stored as Q + 2^(num_bits - 1)."""
+    last dim, lowest bits first, each stored as Q + 2^(num_bits - 1); ``name``: the tensor's."""
     per_word = 32 // num_bits
     n, k = shape
     if packed.dtype != torch.int32 or tuple(packed.shape) != (n, -(-k // per_word)):
         raise ValueError(
-            f"{prefix}.weight_packed is {packed.dtype} {tuple(packed.shape)}; a {shape} weight of "
+            f"{name} is {packed.dtype} {tuple(packed.shape)}; a {shape} tensor of "
             f"{num_bits}-bit values packs into int32 {(n, -(-k // per_word))}"
         )
     shifts = torch.arange(per_word, dtype=torch.int32) * num_bits
@@ -132,7 +146,14 @@ def _check_w4a16(config: dict[str, Any], fmt: str) -> None:
     """W4A16 runs packed weights on every linear of the transformer (the int4 layers)."""
     if fmt != "pack-quantized":
         raise ValueError(f"{_WHERE}: 4-bit int weights must be stored pack-quantized, got format {fmt!r}")
-    left_float = [name for name in config.get("ignore") or [] if name not in ("lm_head", "re:.*lm_head")]
+    ignore = config.get("ignore") or []
+    targets = {str(t) for g in config.get("config_groups", {}).values() for t in g.get("targets", [])}
+    if "Linear" in targets and not any(name in ("lm_head", "re:.*lm_head") for name in ignore):
+        raise ValueError(
+            f"{_WHERE}: a W4A16 checkpoint whose LM head is 4-bit too (lm_head not in ignore) is not supported; "
+            "quantize it with ignore=['lm_head']"
+        )
+    left_float = [name for name in ignore if name not in ("lm_head", "re:.*lm_head")]
     if left_float:
         raise ValueError(
             f"{_WHERE}: a W4A16 checkpoint that leaves linears unquantized ({', '.join(map(str, left_float))}) "
@@ -143,8 +164,13 @@ def _check_w4a16(config: dict[str, Any], fmt: str) -> None:
 def _int4_group(weights: dict[str, Any]) -> int:
     """The group size of a W4A16 scheme the int4 kernel runs (-1: per channel); ValueError else."""
     strategy = weights.get("strategy", "tensor")
-    if weights.get("actorder"):
-        raise ValueError(f"{_WHERE}: activation-ordered 4-bit groups (actorder) are not supported")
+    # "weight" / "static" order only GPTQ's calibration (the groups stay consecutive, no g_idx);
+    # "group" / "dynamic" (and older True) store a weight_g_idx that interleaves them.
+    if weights.get("actorder") not in (None, False, "weight", "static"):
+        raise ValueError(
+            f"{_WHERE}: activation-ordered 4-bit groups (actorder {weights['actorder']!r}, with a g_idx) are not "
+            "supported; actorder 'weight' or 'static' is"
+        )
     if strategy == "channel":
         return -1
     group = weights.get("group_size")

@@ -121,6 +121,10 @@ class W8A8LinearMethod(PerChannelInt8Method):
 
     def store(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         typed = cast(_W8A8Layer, layer)
+        # The maddubs paths negate a weight where the activation is negative, so |Q| <= 127: a
+        # checkpoint's -128 (compressed-tensors' symmetric scale is absmax / 127.5) becomes -127,
+        # one step off on that weight alone, rather than requantizing the whole row.
+        q = q.clamp(min=-127)
         typed.weight_scale = scale
         layer.register_buffer("weight_comp", compensation(q), persistent=False)
         typed.weight = nn.Parameter(pack_w8a8(q), requires_grad=False)
