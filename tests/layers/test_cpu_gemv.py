@@ -14,7 +14,8 @@ from pagedllm.layers.linear import ColumnParallelLinear
 from pagedllm.layers.quantization import unquantized
 from pagedllm.layers.quantization.unquantized import PACKED, choose_layout
 
-# Row counts cover every tile height (1-6), several tiles, and the x-block split (K=1536 -> 60 rows).
+# Row counts cover every tile height (1-6), several tiles, and the x-block split (K=1536: 130 rows
+# are two blocks of 66 + 64).
 ROWS = [0, 1, 2, 3, 4, 5, 6, 7, 13, 64, 130]
 # (out, in): one panel, a 4-panel group plus a remainder, an odd K, a wide K.
 SHAPES = [(16, 1), (96, 64), (48, 33), (80, 1536)]
@@ -42,10 +43,10 @@ def test_native_matches_f_linear(native, rows, n, k):
 
 
 # Every level's tiles (cpu_gemm_common.h): heights 1 to the tallest (6 on avx512 and avx2, 3 on
-# portable) and a tile plus a remainder; 130 rows at K=1535: three x blocks (60 rows each), so the
-# next group's prefetch crosses blocks. Widths: groups of 4, 3, 2 and 1 panels (96 = 4 + 2, 48 = 3,
+# portable) and a tile plus a remainder; 130 and 200 rows at K=1535: two and three x blocks (66 + 64,
+# 72 + 72 + 56 rows), so the next group's prefetch crosses blocks. Widths: groups of 4, 3, 2 and 1 panels (96 = 4 + 2, 48 = 3,
 # 80 = 4 + 1), which each level cuts into its tiles of 1-4 panels; odd K everywhere.
-ISA_ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 64, 130]
+ISA_ROWS = [1, 2, 3, 4, 5, 6, 7, 13, 64, 130, 200]
 ISA_SHAPES = [(16, 1), (96, 63), (48, 33), (80, 1535)]
 
 
@@ -56,7 +57,7 @@ def test_every_isa_matches_f_linear(isa_ops, rows, n, k):
 
 
 # 16-bit weights (--dtype bfloat16 / float16) in the same panels: one row, the tallest tile, a
-# tile plus one row, and three x blocks at K=1535.
+# tile plus one row, and two x blocks at K=1535 (130 rows).
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k", [(96, 63), (80, 1535)])
 @pytest.mark.parametrize("rows", [1, 6, 7, 130])
