@@ -55,17 +55,18 @@ static_assert(max_panels(1) >= 1, "one row of one panel must fit the registers")
 // past it; prefill batches are cut into such blocks, decode batches are one block.
 constexpr int64_t kXBlockBytes = 384 * 1024;
 // How many of a block's row tiles prefetch the next group: about 12 tile sweeps over K (AVX-512:
-// 12 row tiles of one 4-panel tile; NEON: 3 row tiles of four 1-panel tiles), so a group arrives
-// at a third to a half of a line per k step; AVX2 24 (6 row tiles). Spread over every row tile
-// of the block instead (a line every 10 k steps at 64 rows on AVX2), the avx2 build at 128 rows
-// ran 0.97x the kernel before, against 1.04x with 3 on Zen 4. On an AVX-512 Xeon (weights from
-// memory) the 3 prefetching row tiles ran ~45% slower than the rest while a group's lines were in
-// flight (14-15 against 10 kcycles a row tile over a 4-panel group at K = 576), and 6 took
-// a 64-row step's linears 1.04x faster than 3 (level at 16 and 128 rows); avx512 with 24 sweeps
-// was 1.01x at 64 rows but 0.97x at 128, so it keeps 12. See for_each_tile.
-constexpr int64_t kPrefetchSweeps = kWidth == 8 ? 24 : 12;
-constexpr int64_t kPrefetchRowTiles =
-    kPrefetchSweeps / ((kGroup + max_panels(kMaxRows) - 1) / max_panels(kMaxRows));
+// 12 row tiles of one 4-panel tile; AVX2 and NEON: 3 row tiles of four 1-panel tiles), so a group
+// arrives at a third to a half of a line per k step. Spread over every row tile of the block
+// instead (a line every 10 k steps at 64 rows on AVX2), the avx2 build at 128 rows ran 0.97x the
+// kernel before, against 1.04x like this (Zen 4); see for_each_tile.
+constexpr int64_t kPrefetchRowTiles = 12 / ((kGroup + max_panels(kMaxRows) - 1) / max_panels(kMaxRows));
+// AVX2, in a block of at most kShortBlockTiles row tiles (a decode batch of up to 96 rows): twice
+// as many. On an AVX-512 Xeon, weights from memory, the 3 prefetching row tiles ran ~45% slower
+// than the rest while a group's lines were in flight (14-15 against 10 kcycles a row tile over a
+// 4-panel group at K = 576); 6 took a 64-row step's linears 1.04x faster (level at 16 and 128
+// rows) but a 512-row prefill's 0.97x. avx512 with twice its 12 was 1.01x at 64 rows, 0.97x at 128.
+constexpr int64_t kShortBlockTiles = 16;
+constexpr int64_t kPrefetchRowTilesShort = (kWidth == 8 ? 2 : 1) * kPrefetchRowTiles;
 // How many k steps ahead a tile that reads a whole int8 group straight from memory (streams)
 // prefetches: a full group's k steps are a line each, one stream that the hardware prefetcher
 // alone kept at ~6 GB/s a core on an AVX-512 Xeon (75% of the 1-row tile's samples waited on its
@@ -105,7 +106,7 @@ void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
       const int64_t next = tiles == 1 ? p1 : ge < p1 ? ge : me < m ? p0 : p1;
       // Its k steps (panel after panel, K each), shared out evenly over the first row tiles.
       const int64_t u0 = next * k, units = (std::min(p1, next + kGroup) - next) * k;
-      const int64_t pt = std::min(tiles, kPrefetchRowTiles);
+      const int64_t pt = std::min(tiles, tiles <= kShortBlockTiles ? kPrefetchRowTilesShort : kPrefetchRowTiles);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = mb + t * kMaxRows, a = std::min(t, pt), b = std::min(t + 1, pt);
         rows(m0, std::min(kMaxRows, me - m0), g, ge, u0 + units * a / pt, u0 + units * b / pt, tiles == 1,
