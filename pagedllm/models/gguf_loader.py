@@ -63,7 +63,8 @@ def iterate_gguf(
     """(Hugging Face name, float32 tensor) for every tensor of the file (whose name ``keep``
     accepts), one at a time from the memory-mapped file. The header (``header`` if the caller
     has read it) is read, and a bad file refused, now, before the caller allocates the model.
-    ``keep_blocks``: a linear's Q4_0 / Q4_1 / Q4_K weight comes as its int4 parts instead
+    ``keep_blocks``: a linear's (and the LM head's, also when it is the embedding's table) Q4_0 /
+    Q4_1 / Q4_K weight comes as its int4 parts instead
     (``layers/quantization/gguf.py``: ``...q_proj.gguf_q``, ``.gguf_scale``, ``.gguf_zero``), a
     Q8_0 one as its int8 values and block scales (``.gguf_q8``, ``.gguf_q8_scale``), and a Q5_0 /
     Q5_1 / Q5_K / Q6_K one as int8 groups of 16 (``.gguf_qz``, ``.gguf_qz_scale``, ``.gguf_qz_zero``)."""
@@ -80,16 +81,17 @@ def _dequantized(
     from gguf.constants import GGMLQuantizationType
 
     file = np.memmap(path, dtype=np.uint8, mode="r")
+    tied = "output.weight" not in header.tensors  # the head is the embedding's table
     for name, info in header.tensors.items():
         hf_name = hf_tensor_name(name)
+        qtype = GGMLQuantizationType(info.ggml_type).name
+        raw = partial(_rows, name, info, file[header.data_offset :], path)
+        if keep_blocks and tied and name == "token_embd.weight" and (keep is None or keep("lm_head.weight")):
+            for suffix, part in block_parts("lm_head.weight", qtype, raw) or []:  # the head's own copy
+                yield "lm_head." + suffix, torch.from_numpy(part)
         if keep is not None and not keep(hf_name):
             continue  # never dequantized: another pipeline stage's tensor
-        qtype = GGMLQuantizationType(info.ggml_type).name
-        parts = (
-            block_parts(hf_name, qtype, partial(_rows, name, info, file[header.data_offset :], path))
-            if keep_blocks
-            else None
-        )
+        parts = block_parts(hf_name, qtype, raw) if keep_blocks else None
         if parts is not None:
             for suffix, part in parts:
                 yield hf_name.removesuffix("weight") + suffix, torch.from_numpy(unpermute_qk(name, part, arch))

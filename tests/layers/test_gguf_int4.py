@@ -248,18 +248,40 @@ def test_a_q4_1_gguf_loads_4bit_by_default_with_transformers_greedy_tokens(
     assert _linear_methods(floats) == {UnquantizedLinearMethod}
 
 
-def test_a_q8_0_head_stays_in_int8_groups_with_transformers_greedy_tokens(
-    q4_1_q8_head_gguf: Path, llama_model_dir: Path
+# The LM head from the file's own blocks, untied (output.weight) or tied (token_embd.weight, whose
+# float table the lookups keep): Q8_0 in int8 groups of 32, Q4_0 on the int4 kernel, Q5_0 in int8
+# groups of 16. Its logits are transformers' (dequantizing) head's, so are the greedy tokens.
+@pytest.mark.parametrize(
+    ("head_quant", "tied", "method"),
+    [("Q8_0", False, GroupedInt8Method), ("Q4_0", False, Int4KernelMethod), ("Q5_0", True, GroupedInt8Method)],
+)
+def test_a_block_quantized_head_is_the_files_weights_with_transformers_greedy_tokens(
+    llama_model_dir: Path, tmp_path: Path, head_quant: str, tied: bool, method: type
 ) -> None:
+    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
+    from pagedllm.entrypoints.bench.gguf_export import write_gguf
+    from pagedllm.hf_config import load_hf_config
+
+    state: dict[str, Any] = {}
+    for f in sorted(llama_model_dir.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    config = load_hf_config(llama_model_dir)
+    if tied:
+        state.pop("lm_head.weight", None)
+        config = {**config, "tie_word_embeddings": True}
+    path = write_gguf(state, config, tmp_path / "tiny.gguf", quant="Q4_1", head_quant=head_quant)
     prompts = [[5, 17, 99, 3, 250], [42, 7, 7, 300, 11, 64, 2], [1, 2, 3]]
-    path = q4_1_q8_head_gguf
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     llm = LLM(str(path), tokenizer=str(llama_model_dir), kv_cache_memory=0.05, max_model_len=128)
-    head = _model(llm).lm_head
-    assert isinstance(head.quant_method, GroupedInt8HeadMethod) and head.weight.dtype == torch.int8
-    # The Q8_0 blocks come back exactly: the head's logits are transformers' (dequantized) head's.
+    model = _model(llm)
+    head = model.lm_head
+    # From the blocks, not requantized from the float head (GroupedInt8HeadMethod).
+    assert isinstance(head.quant_method, method) and not isinstance(head.quant_method, GroupedInt8HeadMethod)
+    assert head.weight.dtype in (torch.int8, torch.uint8)
+    if tied:  # the lookups keep the float table
+        assert model.model.embed_tokens.weight.dtype == torch.float32
     hidden = torch.randn(4, hf.config.hidden_size)
     torch.testing.assert_close(head(hidden), hidden @ hf.lm_head.weight.T, rtol=1e-5, atol=1e-5)
     greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)

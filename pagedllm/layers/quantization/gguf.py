@@ -184,8 +184,8 @@ def _lazy_param(
     param = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
     def load(param: nn.Parameter, tensor: torch.Tensor, shard_id: Any = None) -> None:
-        if param.numel() == 0:
-            param.data = torch.empty(shape, dtype=dtype)
+        if param.numel() == 0:  # zeros: an LM head's padding rows past the vocabulary get no tensor
+            param.data = torch.zeros(shape, dtype=dtype)
         loader(param, tensor, shard_id)
         seen.add(shard_id)
 
@@ -318,10 +318,30 @@ class GGUFLinearMethod(Int4KernelMethod):
             weight.data[start:end] = w[start:end]
 
 
+class GGUFHeadMethod(GGUFLinearMethod):
+    """A GGUF file's LM head stored block-quantized (``output``, or ``token_embd`` when the model
+    ties them): from the file's blocks as a linear's are (Q4_0 / Q4_1 / Q4_K on the int4 kernel,
+    Q8_0 in int8 groups of 32, Q5_0 / Q5_1 / Q5_K / Q6_K in int8 groups of 16 with zero points),
+    so the logits are the file's weights' and not a requantization's; a type without such a form
+    (Q2_K, Q3_K, the IQ types) arrives dequantized and is held in int8 groups of 32
+    (``GroupedInt8HeadMethod``). Float activations always (w4a8 too)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.converted:
+            return
+        if not self.q4_parts | self.q8_parts | self.int8_parts:
+            self.converted = True
+            method = GroupedInt8HeadMethod()
+            cast(Any, layer).quant_method = method
+            method.process_weights_after_loading(layer)
+            return
+        super().process_weights_after_loading(layer)
+
+
 class GGUFConfig(QuantizationConfig):
     """A GGUF file's linears as stored: 4-bit block types on the int4 kernel, the rest float32.
-    The embedding is float32 (dequantized); the LM head is in int8 groups of 32 when the file
-    stores it block-quantized (a Q8_0 head comes back exactly: ``int8_groups``), else float32."""
+    The embedding is float32 (dequantized); the LM head from the file's blocks when it stores
+    it block-quantized (``GGUFHeadMethod``), else float32."""
 
     name = "gguf"
 
@@ -336,7 +356,7 @@ class GGUFConfig(QuantizationConfig):
         return GGUFLinearMethod(self.int8_activations)
 
     def get_lm_head_method(self) -> LinearMethodBase:
-        return GroupedInt8HeadMethod() if self.quantized_head else UnquantizedLinearMethod()
+        return GGUFHeadMethod() if self.quantized_head else UnquantizedLinearMethod()
 
 
 def block_parts(hf_name: str, qtype: str, raw: Callable[[], np.ndarray]) -> list[tuple[str, np.ndarray]] | None:
@@ -356,4 +376,4 @@ def block_parts(hf_name: str, qtype: str, raw: Callable[[], np.ndarray]) -> list
 
 
 def _is_linear(hf_name: str) -> bool:
-    return hf_name.startswith("model.layers.") and hf_name.endswith("_proj.weight")
+    return (hf_name.startswith("model.layers.") and hf_name.endswith("_proj.weight")) or hf_name == "lm_head.weight"

@@ -3,8 +3,9 @@
 Batch-1 decode streams every weight once per step, and the LM head is a large share of them: at
 SmolLM2-135M's shape (vocab 49152 x hidden 576) a float32 head is 113 MB, more than the int4
 transformer's 66 MB. llama.cpp keeps a quantized file's output layer in Q8_0 (28 MB). So the
-formats that quantize anyway (``int8``, ``int4``, ``w4a8``; ``w8a8`` runs its head as W8A8) and a
-GGUF file whose head is stored quantized give the head this method: symmetric int8 with one scale per output row and
+formats that quantize anyway (``int8``, ``int4``, ``w4a8``; ``w8a8`` runs its head as W8A8) give
+the head this method (a GGUF file's block-quantized head is held from its own blocks instead,
+``gguf.GGUFHeadMethod``, and comes here only in a type without an integer form): symmetric int8 with one scale per output row and
 group of 32 inputs (a float16 value, as Q8_0 stores it; held in float16: ``pack_group_params``), W = q * s, q in -127..127 (``quantize_groups``), run by the group-wise kernel
 (``csrc/cpu_gemm_grouped.cpp``, ``packed_linear_int8_grouped``) on the per-channel int8 kernel's
 packed layout (``cpu_gemm_kernels.pack_int8``) with the int4 kernel's per-group scales
