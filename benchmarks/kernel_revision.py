@@ -31,9 +31,16 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], cwd=REPO, check=True, capture_output=True, text=True).stdout
 
 
-def build_at_revision(rev: str | None, source: str, level: str, extra: dict[str, str] | None = None) -> Any:
+def build_at_revision(
+    rev: str | None,
+    source: str,
+    level: str,
+    extra: dict[str, str] | None = None,
+    defines: tuple[str, ...] = (),
+) -> Any:
     """``torch.ops.<namespace>`` for ``pagedllm/csrc/<source>`` as of ``rev`` (None: the working
-    tree), built for ``level``, with the ``extra`` sources beside it."""
+    tree), built for ``level``, with the ``extra`` sources beside it and the preprocessor
+    ``defines`` (e.g. ``PAGEDLLM_TILE_TRACE``; each gets a namespace of its own)."""
     from torch.utils.cpp_extension import load
 
     folder = Path(tempfile.mkdtemp(prefix="kernel-revision-"))
@@ -44,8 +51,9 @@ def build_at_revision(rev: str | None, source: str, level: str, extra: dict[str,
         texts = {n: _git("show", f"{rev}:{CSRC}/{n}") for n in names}
     for name, text in {**texts, **(extra or {})}.items():
         (folder / name).write_text(text)
-    namespace = re.sub(r"\W", "_", f"rev_{rev or 'worktree'}_{Path(source).stem}_{level}")
+    namespace = re.sub(r"\W", "_", "_".join([f"rev_{rev or 'worktree'}_{Path(source).stem}_{level}", *defines]))
     flags = [f for f in compile_flags(level) if not f.startswith("-DPAGEDLLM_OPS=")] + [f"-DPAGEDLLM_OPS={namespace}"]
+    flags += [f"-D{name}" for name in defines]
     load(
         namespace,
         [str(folder / name) for name in [source, *(extra or {})]],

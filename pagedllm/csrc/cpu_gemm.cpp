@@ -60,12 +60,32 @@ at::Tensor packed_linear_16(const at::Tensor& x, const at::Tensor& packed, const
   return x.scalar_type() == at::kFloat ? io.y : io.y.to(x.scalar_type());
 }
 
+#ifdef PAGEDLLM_TILE_TRACE
+// The row-tile counters since the last read, [2 (cycles, calls), 2 (first group, rest), 16], zeroed.
+at::Tensor tile_trace(const at::Tensor& like) {
+  at::Tensor out = at::empty({2, 2, 16}, like.options().dtype(at::kDouble));
+  auto a = out.accessor<double, 3>();
+  for (int f = 0; f < 2; ++f)
+    for (int t = 0; t < 16; ++t) {
+      a[0][f][t] = static_cast<double>(tile_cycles[f][t].exchange(0));
+      a[1][f][t] = static_cast<double>(tile_calls[f][t].exchange(0));
+    }
+  return out;
+}
+#endif
+
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
   m.def("packed_linear_16(Tensor x, Tensor packed, Tensor? bias) -> Tensor");
+#ifdef PAGEDLLM_TILE_TRACE
+  m.def("tile_trace(Tensor like) -> Tensor");
+#endif
 }
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {
   m.impl("packed_linear", &packed_linear);
   m.impl("packed_linear_16", &packed_linear_16);
+#ifdef PAGEDLLM_TILE_TRACE
+  m.impl("tile_trace", &tile_trace);
+#endif
 }

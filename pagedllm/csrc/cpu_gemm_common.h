@@ -16,9 +16,21 @@
 
 #include "cpu_vec.h"
 
+#ifdef PAGEDLLM_TILE_TRACE  // benchmarks/gemm_tile_trace.py builds the fp32 GEMM with it (x86-64 only)
+#include <x86intrin.h>
+
+#include <atomic>
+#endif
+
 namespace pagedllm_gemm {
 
 using namespace pagedllm_vec;
+
+#ifdef PAGEDLLM_TILE_TRACE
+// Cycles (rdtsc) and calls per row tile over a panel group, by row tile index (the last slot
+// takes every tile from the 15th on), the thread's first group of a call [0] apart from the rest [1].
+inline std::atomic<uint64_t> tile_cycles[2][16], tile_calls[2][16];
+#endif
 
 // Outputs per panel, a property of the layout, not of the ISA (the Python packing is the same
 // for every build): one AVX-512 vector of fp32, two AVX2 vectors, four NEON ones.
@@ -109,8 +121,16 @@ void for_each_tile(int64_t m, int64_t k, int64_t p0, int64_t p1, F&& rows) {
       const int64_t pt = std::min(tiles, tiles <= kShortBlockTiles ? kPrefetchRowTilesShort : kPrefetchRowTiles);
       for (int64_t t = 0; t < tiles; ++t) {
         const int64_t m0 = mb + t * kMaxRows, a = std::min(t, pt), b = std::min(t + 1, pt);
+#ifdef PAGEDLLM_TILE_TRACE
+        const uint64_t start = __rdtsc();
+#endif
         rows(m0, std::min(kMaxRows, me - m0), g, ge, u0 + units * a / pt, u0 + units * b / pt, tiles == 1,
              t == 0);
+#ifdef PAGEDLLM_TILE_TRACE
+        const int first = g == p0 && mb == 0 ? 0 : 1, slot = static_cast<int>(std::min<int64_t>(m0 / kMaxRows, 15));
+        tile_cycles[first][slot].fetch_add(__rdtsc() - start, std::memory_order_relaxed);
+        tile_calls[first][slot].fetch_add(1, std::memory_order_relaxed);
+#endif
       }
     }
   }
