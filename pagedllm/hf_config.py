@@ -37,12 +37,24 @@ def load_hf_config(model_dir: str | Path) -> dict[str, Any]:
         return json.load(f)
 
 
+def _causal_lm_of(model_type: str) -> list[str]:
+    """[the causal LM of ``model_type``] (``llama`` -> LlamaForCausalLM, as transformers names it)
+    where pagedllm builds it: for a config.json written without ``architectures`` (a GGUF-loaded
+    model's config saved as it is); [] otherwise."""
+    from pagedllm.models.registry import supported_architectures
+
+    return [name for name in supported_architectures() if model_type and name.lower() == f"{model_type}forcausallm"]
+
+
 def normalize_hf_config(hf: dict[str, Any]) -> ModelArchConfig:
     """Map the many spellings of Llama/Mistral/Qwen2/Qwen3 (and BERT-family) configs onto one dataclass."""
     hf = dict(hf.get("text_config") or {}, **{k: v for k, v in hf.items() if k != "text_config"})
-    architectures = hf.get("architectures") or []
+    architectures = hf.get("architectures") or _causal_lm_of(str(hf.get("model_type", "")))
     if not architectures:
-        raise ValueError("config.json has no 'architectures' entry; cannot tell which model class to build")
+        raise ValueError(
+            "config.json has no 'architectures' entry (and its model_type names no causal LM that pagedllm "
+            'builds); cannot tell which model class to build: add e.g. "architectures": ["LlamaForCausalLM"]'
+        )
     if architectures[0] in ENCODER_ARCHITECTURES:
         return _normalize_encoder(hf, architectures[0])
     heads = int(hf["num_attention_heads"])

@@ -194,6 +194,20 @@ def test_configs_are_frozen(llama_model_dir):
             setattr(obj, name, 1)
 
 
+def test_a_config_without_architectures_takes_its_model_types_causal_lm(llama_model_dir, tmp_path):
+    """A GGUF-loaded model's config saved as it is has no "architectures": model_type names the class."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(llama_model_dir, model_dir)
+    path = model_dir / "config.json"
+    hf = json.loads(path.read_text())
+    del hf["architectures"]
+    path.write_text(json.dumps(hf))
+    assert _config(model_dir).model_config.arch.architecture == "LlamaForCausalLM"
+    path.write_text(json.dumps({**hf, "model_type": "gpt2"}))
+    with pytest.raises(ValueError, match=r"no 'architectures' entry .* add e.g. \"architectures\""):
+        _config(model_dir)
+
+
 def test_config_is_torch_free_to_build(llama_model_dir):
     import subprocess
     import sys
