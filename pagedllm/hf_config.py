@@ -13,6 +13,7 @@ from typing import Any
 
 from pagedllm.gguf_config import gguf_arch_config, is_gguf_file
 from pagedllm.model_arch import ENCODER_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelArchConfig, RopeConfig
+from pagedllm.models.registry import supported_architectures
 
 # RoBERTa-style encoders number positions from pad_token_id + 1 (HF's create_position_ids_from_input_ids).
 _OFFSET_POSITION_ARCHITECTURES = ("RobertaModel", "XLMRobertaModel")
@@ -41,8 +42,6 @@ def _causal_lm_of(model_type: str) -> list[str]:
     """[the causal LM of ``model_type``] (``llama`` -> LlamaForCausalLM, as transformers names it)
     where pagedllm builds it: for a config.json written without ``architectures`` (a GGUF-loaded
     model's config saved as it is); [] otherwise."""
-    from pagedllm.models.registry import supported_architectures
-
     return [name for name in supported_architectures() if model_type and name.lower() == f"{model_type}forcausallm"]
 
 

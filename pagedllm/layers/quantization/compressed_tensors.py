@@ -40,6 +40,7 @@ INT_FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
 FORMATS = (*INT_FORMATS, "float-quantized")
 STRATEGIES = ("channel", "group", "block", "tensor")
 _WHERE = "config.json's compressed-tensors quantization_config"
+_HEAD_NAMES = ("lm_head", "re:.*lm_head")  # how an ignore list names the LM head
 
 
 class CompressedTensorsConfig(PrequantizedConfig):
@@ -148,12 +149,12 @@ def _check_w4a16(config: dict[str, Any], fmt: str) -> None:
         raise ValueError(f"{_WHERE}: 4-bit int weights must be stored pack-quantized, got format {fmt!r}")
     ignore = config.get("ignore") or []
     targets = {str(t) for g in config.get("config_groups", {}).values() for t in g.get("targets", [])}
-    if "Linear" in targets and not any(name in ("lm_head", "re:.*lm_head") for name in ignore):
+    if "Linear" in targets and not any(name in _HEAD_NAMES for name in ignore):
         raise ValueError(
             f"{_WHERE}: a W4A16 checkpoint whose LM head is 4-bit too (lm_head not in ignore) is not supported; "
             "quantize it with ignore=['lm_head']"
         )
-    left_float = [name for name in ignore if name not in ("lm_head", "re:.*lm_head")]
+    left_float = [name for name in ignore if name not in _HEAD_NAMES]
     if left_float:
         raise ValueError(
             f"{_WHERE}: a W4A16 checkpoint that leaves linears unquantized ({', '.join(map(str, left_float))}) "
