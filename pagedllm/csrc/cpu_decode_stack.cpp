@@ -60,6 +60,8 @@ class PhaseClock {
 
 // How each of the stack's linears is stored (its layer's quant_method; a GGUF file's may differ).
 // kInt4Offset / kW4A8Offset: int4 / w4a8 whose zero tensor holds offsets, W = q s + b (GGUF Q4_1).
+// kInt4Table: int4 codes looked up in a 16-value table (bitsandbytes NF4 / FP4), which the comps
+// entry holds, W = table[q] s.
 enum class Method : int64_t {
   kPacked = 0,
   kInt8 = 1,
@@ -68,7 +70,8 @@ enum class Method : int64_t {
   kW4A8 = 4,
   kInt8Groups = 5,
   kInt4Offset = 6,
-  kW4A8Offset = 7
+  kW4A8Offset = 7,
+  kInt4Table = 8
 };
 
 // The per-layer tensors, as lists indexed by layer; the linears 4 per layer (qkv, o, gate_up,
@@ -113,6 +116,9 @@ struct Layers {
       case Method::kW4A8Offset:
         return packed_linear_w4a8(x, linears[at], *scales[at], *comps[at], bias,
                                   linears[at].size(1) / scales[at]->size(1), methods[at] == Method::kW4A8Offset);
+      case Method::kInt4Table:
+        return packed_linear_int4_table(x, linears[at], *scales[at], *comps[at], bias,
+                                        linears[at].size(1) / scales[at]->size(1));
       case Method::kInt8Groups:
         return packed_linear_int8_grouped(x, linears[at], *scales[at], bias, linears[at].size(1) / scales[at]->size(1),
                                           comps[at]);
@@ -193,13 +199,13 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
               "decode_stack_: tensor parallelism needs the shared-memory all-reduce's segment and counter");
   std::vector<Method> ms(methods.size());
   for (size_t j = 0; j < linears.size(); ++j) {
-    TORCH_CHECK(methods[j] >= 0 && methods[j] <= 7, "decode_stack_: linear ", j,
+    TORCH_CHECK(methods[j] >= 0 && methods[j] <= 8, "decode_stack_: linear ", j,
                 "'s method must be 0 (packed), 1 (int8), 2 (w8a8), 3 (int4), 4 (w4a8), 5 (int8 groups), "
-                "6 (int4 with offsets) or 7 (w4a8 with offsets)");
+                "6 (int4 with offsets), 7 (w4a8 with offsets) or 8 (int4 codes in a table)");
     const Method m = ms[j] = static_cast<Method>(methods[j]);
     TORCH_CHECK(m == Method::kPacked ||
                     (scales[j].has_value() && (m == Method::kInt8 || m == Method::kInt8Groups || comps[j].has_value())),
-                "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation, int4 zero) of its method");
+                "decode_stack_: linear ", j, " lacks the scale (or w8a8 compensation, int4 zero, code table) of its method");
   }
   std::optional<ShmGroup> tp;
   if (tp_size > 1) tp = ShmGroup{*shm_segment, *shm_state, tp_rank, tp_size, shm_slot_bytes, shm_timeout_s};

@@ -1,6 +1,7 @@
 // Group-wise weight-only GEMM y = x W^T (+ b) for CPU, two weight formats over one source:
 // - int4: W[n, k] = (q[n, k] - z[n, g]) * s[n, g] with q in 0..15 (the int4 method, AWQ, GPTQ,
-//   GGUF's Q4_0 / Q4_1 / Q4_K blocks); op packed_linear_int4.
+//   GGUF's Q4_0 / Q4_1 / Q4_K blocks); op packed_linear_int4. Or W[n, k] = t[q[n, k]] * s[n, g]
+//   with t a 16-entry code table (bitsandbytes' NF4 / FP4); op packed_linear_int4_table.
 // - int8: W[n, k] = q[n, k] * s[n, g] with q in -127..127 (GGUF's Q8_0 blocks; the LM head of the
 //   quantized methods), or (q[n, k] - z[n, g]) * s[n, g] when a zero point is given (GGUF's other
 //   block types); op packed_linear_int8_grouped.
@@ -65,7 +66,8 @@ namespace {
 // the row tiles (4 rows each on AVX-512), the dequantization is paid once. Measured on the
 // SmolLM2-shaped int4 linears (benchmarks/int4_decode.py --baseline, AVX-512 Zen 4, 2 threads): 16
 // and 19 rows took 26.7 / 30.4 ms fused against 28.9 / 32.5 dequantized, level at 20 and 24 rows;
-// the int8-group LM head at 16 rows 6.3 ms fused against 7.8.
+// the int8-group LM head at 16 rows 6.3 ms fused against 7.8. Each format may switch earlier
+// (its kDequantRows): on AVX2, whose 3-row tiles widen each weight more often and at half the width.
 constexpr int64_t kDequantRows = 20;
 
 // Both layouts: block b of panel j of the group starting at panel g is at
@@ -80,7 +82,25 @@ struct Int4Format {
   static constexpr const char* kName = "uint8 [N/16, K, 8]";
   static constexpr int kSteps = 8;
   static constexpr int64_t kBlockBytes = 64, kStepBytes = kBlockBytes / kSteps;
-  static Vec load(const T* block, int v, int i) { return load_u4_step(block, v, i); }
+  // AVX2: 13 rows (SmolLM2-shaped int4 linears, 2 threads, Xeon with AVX-512 running the avx2
+  // build: fused against dequantized 23.2 / 23.9 ms at 12 rows, 26.3 / 25.8 at 13, 36.7 / 33.1 at 19).
+  static constexpr int64_t kDequantRows = kWidth == 8 ? 13 : ::kDequantRows;
+  struct Lut {};  // the formats with a code table (Int4TableFormat) hold it in registers here
+  static Lut lut(const float*) { return {}; }
+  static Vec load(const T* block, int v, int i, Lut) { return load_u4_step(block, v, i); }
+};
+
+// int4 codes looked up in a 16-entry table, no zero point: W[n, k] = table[q[n, k]] * s[n, g]
+// (bitsandbytes' NF4 / FP4 blocks: the code book times the block's absmax). The same layout.
+struct Int4TableFormat : Int4Format {
+  static constexpr bool kZero = false;
+  // AVX2's lookup is two vpermps and a blend: from 7 rows dequantizing first is faster (same
+  // shapes: 15.6 / 16.7 ms at 6 rows, 20.8 / 18.5 at 7, 41.4 / 28.6 at 16). AVX-512's is one
+  // vpermps, as int4's: fused up to 16 rows 1.3-2.8x faster there, so ::kDequantRows.
+  static constexpr int64_t kDequantRows = kWidth == 8 ? 7 : ::kDequantRows;
+  using Lut = Table16;
+  static Lut lut(const float* table) { return load_table16(table); }
+  static Vec load(const T* block, int v, int i, const Lut& table) { return load_u4_step(block, v, i, table); }
 };
 
 // int8: a block is 1 k step of 16 outputs, 16 bytes (the per-channel int8 kernel's layout).
@@ -90,7 +110,10 @@ struct Int8Format {
   static constexpr const char* kName = "int8 [N/16, K, 16]";
   static constexpr int kSteps = 1;
   static constexpr int64_t kBlockBytes = kLanes, kStepBytes = kBlockBytes;
-  static Vec load(const T* block, int v, int) { return load_i8(block + v * kWidth); }
+  static constexpr int64_t kDequantRows = ::kDequantRows;
+  struct Lut {};
+  static Lut lut(const float*) { return {}; }
+  static Vec load(const T* block, int v, int, Lut) { return load_i8(block + v * kWidth); }
 };
 // int8 with a zero point per output and group, W = (q - z) * s: GGUF's other block types held
 // exactly (Q5_0 / Q5_1 / Q5_K / Q6_K, and the 4-bit and Q8_0 parts of a layer that mixes them).
@@ -133,6 +156,7 @@ struct GroupedProblem {
   GroupValues zero;  // [N / 16, K / G, 16] (with a zero point only)
   bool offset;  // zero holds offsets b: W = q s + b
   const float* xsum;  // [M, K / G]: x summed over each group (int4 only)
+  const float* table;  // [16]: the code table (Int4TableFormat only)
   const float* bias;  // [N] or nullptr
   float* y;  // [M, N], row stride ldy
   int64_t k, group, ldx, ldy, panels;
@@ -184,6 +208,7 @@ void fused_tile(const GroupedProblem<F>& pr, int64_t m0, int64_t p0, const typen
   constexpr int V = NR * kPanelVecs;
   const int64_t groups = pr.k / pr.group, panel_groups = groups * kLanes, blocks = pr.group / F::kSteps;
   const float* x = pr.x + m0 * pr.ldx;
+  const auto lut = F::lut(pr.table);
   Vec acc[MR][V];
   fill(acc, zero());
   for (int64_t g = 0; g < groups; ++g) {
@@ -203,7 +228,7 @@ void fused_tile(const GroupedProblem<F>& pr, int64_t m0, int64_t p0, const typen
         for (int r = 0; r < MR; ++r) xv[r] = broadcast(x[r * pr.ldx + b * F::kSteps + i]);
 #pragma GCC unroll 16
         for (int v = 0; v < V; ++v) {
-          const Vec wv = F::load(block + (v / kPanelVecs) * F::kBlockBytes, v % kPanelVecs, i);
+          const Vec wv = F::load(block + (v / kPanelVecs) * F::kBlockBytes, v % kPanelVecs, i, lut);
 #pragma GCC unroll 16
           for (int r = 0; r < MR; ++r) part[r][v] = fmadd(xv[r], wv, part[r][v]);
         }
@@ -256,6 +281,7 @@ void fused_group(const GroupedProblem<F>& pr, int64_t m, int64_t g, int64_t p1) 
 template <class F>
 void dequantize_group(const GroupedProblem<F>& pr, int64_t g, int64_t width, float* out) {
   const int64_t groups = pr.k / pr.group, blocks = pr.group / F::kSteps, block_stride = stride_of_blocks<F>(width);
+  const auto lut = F::lut(pr.table);
   for (int64_t j = 0; j < width; ++j) {
     const typename F::T* block = panel_start<F>(pr.p, pr.k, g, j);
     for (int64_t c = 0; c < groups; ++c) {
@@ -273,7 +299,7 @@ void dequantize_group(const GroupedProblem<F>& pr, int64_t g, int64_t width, flo
         for (int i = 0; i < F::kSteps; ++i, out += kLanes) {
 #pragma GCC unroll 4
           for (int v = 0; v < kPanelVecs; ++v) {
-            const Vec q = F::load(block, v, i);
+            const Vec q = F::load(block, v, i, lut);
             if constexpr (F::kZero)
               store(out + v * kWidth, pr.offset ? fmadd(q, s[v], z[v]) : (q - z[v]) * s[v]);
             else
@@ -327,7 +353,7 @@ GroupValues checked_groups(const at::Tensor& t, int64_t panels, int64_t groups, 
 template <class F>
 at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                           const at::Tensor* zero, const std::optional<at::Tensor>& bias, int64_t group_size,
-                          at::ScalarType type, bool offset = false) {
+                          at::ScalarType type, bool offset = false, const float* table = nullptr) {
   TORCH_CHECK(packed.scalar_type() == type && packed.dim() == 3 && packed.size(2) == F::kStepBytes &&
                   packed.is_contiguous(),
               "packed weight must be a contiguous ", F::kName, " tensor");
@@ -345,9 +371,9 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   const int64_t m = x2.size(0);
   if (m == 0) return y;
   const float* xp = x2.data_ptr<float>();
-  const std::vector<float> xsum = F::kZero && m < kDequantRows ? group_sums(xp, m, k, x2.stride(0), group_size)
+  const std::vector<float> xsum = F::kZero && m < F::kDequantRows ? group_sums(xp, m, k, x2.stride(0), group_size)
                                                                  : std::vector<float>();
-  const GroupedProblem<F> pr{xp,          packed.data_ptr<typename F::T>(), s, z, offset, xsum.data(),
+  const GroupedProblem<F> pr{xp,          packed.data_ptr<typename F::T>(), s, z, offset, xsum.data(), table,
                              checked_vector(bias, n, "bias"), y.data_ptr<float>(), k, group_size, x2.stride(0), n,
                              panels};
   // Tiny weights (test models) stay on one thread; threads split whole groups of 4 panels.
@@ -355,7 +381,7 @@ at::Tensor grouped_linear(const at::Tensor& x, const at::Tensor& packed, const a
   at::parallel_for(0, (panels + kGroup - 1) / kGroup, grain, [&](int64_t g0, int64_t g1) {
     std::vector<float> buffer;
     for (int64_t g = g0 * kGroup; g < std::min(panels, g1 * kGroup); g += kGroup) {
-      if (m < kDequantRows)
+      if (m < F::kDequantRows)
         fused_group(pr, m, g, panels);
       else
         dequant_group(pr, m, g, panels, buffer);
@@ -588,6 +614,14 @@ at::Tensor packed_linear_int4(const at::Tensor& x, const at::Tensor& packed, con
   return grouped_linear<Int4Format>(x, packed, scale, &zero, bias, group_size, at::kByte, offset);
 }
 
+at::Tensor packed_linear_int4_table(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                    const at::Tensor& table, const std::optional<at::Tensor>& bias, int64_t group_size) {
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.is_contiguous() && table.numel() == 16,
+              "table must be a contiguous float32 tensor of 16 values");
+  return grouped_linear<Int4TableFormat>(x, packed, scale, nullptr, bias, group_size, at::kByte, false,
+                                         table.data_ptr<float>());
+}
+
 at::Tensor packed_linear_int8_grouped(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                                       const std::optional<at::Tensor>& bias, int64_t group_size,
                                       const std::optional<at::Tensor>& zero) {
@@ -637,6 +671,9 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
       "packed_linear_int4(Tensor x, Tensor packed, Tensor scale, Tensor zero, Tensor? bias, int group_size, "
       "bool offset=False) -> Tensor");
   m.def(
+      "packed_linear_int4_table(Tensor x, Tensor packed, Tensor scale, Tensor table, Tensor? bias, int group_size) "
+      "-> Tensor");
+  m.def(
       "packed_linear_int8_grouped(Tensor x, Tensor packed, Tensor scale, Tensor? bias, int group_size, "
       "Tensor? zero=None) -> Tensor");
   m.def(
@@ -646,6 +683,7 @@ TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
 
 TORCH_LIBRARY_IMPL(PAGEDLLM_OPS, CPU, m) {
   m.impl("packed_linear_int4", &packed_linear_int4);
+  m.impl("packed_linear_int4_table", &packed_linear_int4_table);
   m.impl("packed_linear_int8_grouped", &packed_linear_int8_grouped);
   m.impl("packed_linear_w4a8", &packed_linear_w4a8);
 }

@@ -25,6 +25,10 @@ at::Tensor packed_linear_int8(const at::Tensor& x, const at::Tensor& packed, con
 at::Tensor packed_linear_int4(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size,
                               bool offset = false);
+// cpu_gemm_grouped.cpp: int4 codes in packed_linear_int4's layout looked up in a 16-value float32
+// table, W = table[q] s, no zero point (bitsandbytes' NF4 / FP4).
+at::Tensor packed_linear_int4_table(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                                    const at::Tensor& table, const std::optional<at::Tensor>& bias, int64_t group_size);
 // cpu_gemm_grouped.cpp: int4 weights as packed_linear_int4's, activations quantized to int8 inside.
 at::Tensor packed_linear_w4a8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
                               const at::Tensor& zero, const std::optional<at::Tensor>& bias, int64_t group_size,

@@ -95,6 +95,13 @@ inline Vec load_u4_step(const uint8_t* p, int, int i) {
   const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return {_mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * i), values)};
 }
+// A 16-entry float table for 4-bit codes (a codebook: bitsandbytes' NF4 / FP4), held in registers.
+struct Table16 { __m512 v; };
+inline Table16 load_table16(const float* t) { return {_mm512_loadu_ps(t)}; }
+// load_u4_step with each nibble looked up in `table` instead of taken as 0..15: the same 2 instructions.
+inline Vec load_u4_step(const uint8_t* p, int, int i, const Table16& table) {
+  return {_mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_loadu_si512(p), 4 * i), table.v)};
+}
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 // a > b ? t : f per lane (an ordered compare: a NaN lane takes f).
 inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) {
@@ -155,6 +162,16 @@ inline Vec load_u4_step(const uint8_t* p, int v, int i) {
   const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + v);
   return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(words, 4 * i), _mm256_set1_epi32(15)))};
 }
+// Table16 / load_u4_step with a table (see the AVX-512 backend): vpermps reads 3 index bits, so
+// two 8-entry halves are looked up and the nibble's bit 3, shifted to the sign bit, picks one.
+struct Table16 { __m256 lo, hi; };
+inline Table16 load_table16(const float* t) { return {_mm256_loadu_ps(t), _mm256_loadu_ps(t + 8)}; }
+inline Vec load_u4_step(const uint8_t* p, int v, int i, const Table16& table) {
+  const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p) + v);
+  const __m256i q = _mm256_srli_epi32(words, 4 * i);
+  const __m256 lo = _mm256_permutevar8x32_ps(table.lo, q), hi = _mm256_permutevar8x32_ps(table.hi, q);
+  return {_mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(q, 28)))};
+}
 inline void prefetch_l2(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T1); }
 inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) {
   return {_mm256_blendv_ps(f.v, t.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ))};
@@ -201,6 +218,16 @@ inline Vec load_u4_step(const uint8_t* p, int v, int i) {
   const uint32x4_t words = vld1q_u32(reinterpret_cast<const uint32_t*>(p) + 4 * v);
   const uint32x4_t q = vandq_u32(vshlq_u32(words, vdupq_n_s32(-4 * i)), vdupq_n_u32(15));
   return {vcvtq_f32_u32(q)};
+}
+// Table16 / load_u4_step with a table (see the AVX-512 backend): a 64-byte byte lookup (tbl) with
+// the indices 4q .. 4q + 3 of each lane's float.
+struct Table16 { uint8x16x4_t bytes; };
+inline Table16 load_table16(const float* t) { return {vld1q_u8_x4(reinterpret_cast<const uint8_t*>(t))}; }
+inline Vec load_u4_step(const uint8_t* p, int v, int i, const Table16& table) {
+  const uint32x4_t words = vld1q_u32(reinterpret_cast<const uint32_t*>(p) + 4 * v);
+  const uint32x4_t q = vandq_u32(vshlq_u32(words, vdupq_n_s32(-4 * i)), vdupq_n_u32(15));
+  const uint32x4_t index = vmlaq_n_u32(vdupq_n_u32(0x03020100u), q, 0x04040404u);
+  return {vreinterpretq_f32_u8(vqtbl4q_u8(table.bytes, vreinterpretq_u8_u32(index)))};
 }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) { return {vbslq_f32(vcgtq_f32(a.v, b.v), t.v, f.v)}; }
@@ -254,6 +281,15 @@ inline Vec load_u4_step(const uint8_t* p, int v, int i) {  // as on NEON
   std::memcpy(w, p + 16 * v, sizeof(w));
   const int s = 4 * i;
   return {F4{float((w[0] >> s) & 15), float((w[1] >> s) & 15), float((w[2] >> s) & 15), float((w[3] >> s) & 15)}};
+}
+struct Table16 { const float* t; };
+inline Table16 load_table16(const float* t) { return {t}; }
+inline Vec load_u4_step(const uint8_t* p, int v, int i, const Table16& table) {
+  uint32_t w[4];
+  std::memcpy(w, p + 16 * v, sizeof(w));
+  const int s = 4 * i;
+  const float* t = table.t;
+  return {F4{t[(w[0] >> s) & 15], t[(w[1] >> s) & 15], t[(w[2] >> s) & 15], t[(w[3] >> s) & 15]}};
 }
 inline void prefetch_l2(const void* p) { __builtin_prefetch(p, 0, 2); }
 inline Vec select_greater(Vec a, Vec b, Vec t, Vec f) { return {a.v > b.v ? t.v : f.v}; }

@@ -8,7 +8,8 @@ result is bitwise the modules'; it only replaces the Python between them.
 It applies when everything the modules would do on the step is what the op does: CPU float32
 with the kernels built; every linear of the layers in a method the op runs, packed fp32,
 ``int8``, ``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit),
-``w4a8`` or int8 groups (GGUF's other block types), each linear its own (a bias only
+``w4a8``, int8 groups (GGUF's other block types) or int4 codes in a table (bitsandbytes NF4 /
+FP4), each linear its own (a bias only
 on qkv); one rank, or tensor-parallel ranks joined by the shared-memory
 all-reduce (``distributed/shm_allreduce.py``: the op sums o_proj's and down_proj's outputs over the
 ranks with its C++ protocol, where the modules' RowParallelLinear calls the same op, and a step
@@ -54,10 +55,11 @@ class DecodeStack:
     post_norm: list[torch.Tensor]
     linears: list[torch.Tensor]  # 4 per layer: qkv, o, gate_up, down
     scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8, int4)
-    comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8) or weight_zero (int4)
+    comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8), weight_zero (int4) or weight_table
     qkv_bias: list[torch.Tensor | None]
-    # Per linear: 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8, 5 int8 groups (csrc/cpu_decode_stack.cpp's
-    # Method); a GGUF file's layers may mix them (4-bit linears beside int8-group ones).
+    # Per linear: 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8, 5 int8 groups, 6 / 7 int4 / w4a8 with
+    # offsets, 8 int4 codes in a table (csrc/cpu_decode_stack.cpp's Method); a GGUF file's layers may
+    # mix them (4-bit linears beside int8-group ones).
     methods: list[int]
     kv_cache: list[torch.Tensor]
     windows: list[int]
@@ -254,15 +256,18 @@ def _cpu_fp32(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and t.dtype == torch.float32
 
 
-_PACKED, _INT8, _W8A8, _INT4, _W4A8, _INT8_GROUPS, _INT4_OFFSET, _W4A8_OFFSET = 0, 1, 2, 3, 4, 5, 6, 7
+_PACKED, _INT8, _W8A8, _INT4, _W4A8, _INT8_GROUPS, _INT4_OFFSET, _W4A8_OFFSET, _INT4_TABLE = range(9)
 
 
 def _comp(linear: Any, method: int) -> torch.Tensor | None:
     """The op's second per-linear tensor: w8a8's compensation, the zero points (or, methods 6 / 7,
-    the offsets) of int4, w4a8 and int8 groups (None for symmetric groups)."""
+    the offsets) of int4, w4a8 and int8 groups (None for symmetric groups), the code table of
+    method 8 (bitsandbytes NF4 / FP4)."""
     zero = getattr(linear, "weight_zero", None)
     if method == _W8A8:
         return cast(torch.Tensor | None, getattr(linear, "weight_comp", None))
+    if method == _INT4_TABLE:
+        return cast(torch.Tensor, linear.weight_table)
     return zero if method in (_INT4, _W4A8, _INT8_GROUPS, _INT4_OFFSET, _W4A8_OFFSET) else None
 
 
@@ -278,7 +283,9 @@ def _method(linear: Any) -> int | None:
     if isinstance(method, Int8LinearMethod):
         return _INT8 if method.quantized else None
     if isinstance(method, Int4KernelMethod):  # packed (not fallen back), no act-order input permutation
-        if method.zero_offset:  # its zero tensor holds offsets (GGUF Q4_1's m)
+        if getattr(linear, "weight_table", None) is not None:  # codes in a table (bitsandbytes NF4 / FP4)
+            code = _INT4_TABLE
+        elif method.zero_offset:  # its zero tensor holds offsets (GGUF Q4_1's m)
             code = _W4A8_OFFSET if method.int8_activations else _INT4_OFFSET
         else:
             code = _W4A8 if method.int8_activations else _INT4

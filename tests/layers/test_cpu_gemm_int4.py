@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.layers import cpu_gemm_kernels
+from pagedllm.layers import cpu_gemm_kernels, cpu_kernels
 from pagedllm.layers.linear import ColumnParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import int4, int8_groups
 from tests.layers.int4_reference import as_tensor, dequantize, kernel_params, random_int4, reference_linear
@@ -52,6 +52,46 @@ def _check(op, rows: int, n: int, k: int, group: int, with_bias: bool, form: str
 @pytest.mark.parametrize("rows", ROWS)
 def test_every_isa_matches_numpy_dequantize_then_matmul(isa_ops, rows, n, k, group, form):
     _check(isa_ops.packed_linear_int4.default, rows, n, k, group, with_bias=rows % 2 == 1, form=form)
+
+
+# NF4's code table (bitsandbytes), and one with every value distinct and unordered.
+TABLES = {
+    "nf4": [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+            0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0],
+    "shuffled": [3.5, -2.0, 0.25, 7.0, -0.5, 1.0, -6.0, 2.0, 0.0, -1.5, 4.0, -3.0, 0.75, 5.5, -0.125, 6.25],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("table", TABLES)
+@pytest.mark.parametrize("n,k,group", SHAPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_code_table_at_every_isa_matches_numpy(isa_ops, rows, n, k, group, table):
+    """packed_linear_int4_table: W = table[q] * s (bitsandbytes NF4 / FP4), every index of the
+    table (bit 3 picks AVX2's upper half) on both paths (fused tile, dequantize then fp32)."""
+    rng = np.random.default_rng(rows * 1000 + n + k)
+    q, scale, _, g_idx = random_int4(n, k, group, rng)
+    values = np.array(TABLES[table], dtype=np.float32)
+    w = values[q] * scale[:, g_idx]
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if rows % 2 else None
+    got = isa_ops.packed_linear_int4_table.default(
+        as_tensor(x),
+        int4.pack_int4(as_tensor(q)),
+        cpu_gemm_kernels.pack_groups(as_tensor(scale), torch.float32 if rows % 3 else torch.float16),
+        torch.from_numpy(values),
+        None if bias is None else as_tensor(bias),
+        group,
+    )
+    np.testing.assert_allclose(got.numpy(), reference_linear(x, w, bias), rtol=1e-4, atol=1e-4)
+
+
+def test_code_table_must_be_16_floats(native):
+    ops = cpu_kernels.cpu_ops()
+    q = torch.zeros(16, 16, dtype=torch.uint8)
+    args = (torch.randn(2, 16), int4.pack_int4(q), cpu_gemm_kernels.pack_groups(torch.ones(16, 1)))
+    for bad in (torch.zeros(8), torch.zeros(16, dtype=torch.float64)):
+        with pytest.raises(RuntimeError, match="16 values"):
+            ops.packed_linear_int4_table(*args, bad, None, 16)
 
 
 def test_smollm_shapes_across_threads_and_batched_input(native):
