@@ -24,7 +24,8 @@ def decoding_engine(
     pool_tokens: int | None = None,
     **engine_args: Any,
 ) -> Any:
-    """An ``LLMEngine`` on ``model_dir``'s dummy weights (float32 unless ``engine_args`` say)
+    """An ``LLMEngine`` on ``model_dir``'s dummy weights (float32 unless ``engine_args`` say; a
+    ``load_format`` there reads the directory's checkpoint instead)
     holding ``batch`` greedy requests of ``context`` random prompt tokens, each already past its
     prefill (in chunks where it must) and three decode steps (the first builds the decode stack);
     requests ``"0"`` .. ``str(batch - 1)``, each for at most ``max_tokens`` tokens, request i
@@ -37,10 +38,10 @@ def decoding_engine(
         engine_args.setdefault("max_model_len", pool_tokens)
         engine_args.setdefault("max_num_batched_tokens", max(2048, pool_tokens))
         engine_args.setdefault("kv_cache_memory", 1.1 * batch * pool_tokens * per_token / 2**30 + 0.01)
+    engine_args.setdefault("load_format", "dummy")
     engine = LLMEngine.from_engine_args(
         EngineArgs(
             model=str(model_dir),
-            load_format="dummy",
             dtype="float32",
             enable_prefix_caching=False,
             max_num_seqs=batch,

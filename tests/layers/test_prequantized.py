@@ -16,7 +16,7 @@ import torch
 from pagedllm.layers.cpu_gemm_kernels import unpack_int8
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import get_quantization_config
-from pagedllm.layers.quantization.bitsandbytes import dequantize_4bit
+from pagedllm.layers.quantization.bitsandbytes import CodebookInt4Method, dequantize_4bit, load_int4_table_gemm
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, load_int8_gemm
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod, quantize_per_token, unpack_w8a8
 from tests import quant_checkpoints as qc
@@ -69,8 +69,9 @@ FORMATS = {
         False,
     ),
     "bnb-int8": ({"quant_method": "bitsandbytes", "load_in_8bit": True}, qc.bnb_int8, True),
-    "bnb-nf4-nested": (bnb4("nf4"), qc.bnb_4bit("nf4", nested=True), False),
-    "bnb-fp4": (bnb4("fp4"), qc.bnb_4bit("fp4", nested=False), False),
+    # Exact: the codes run on the int4 kernel with the code table (bitsandbytes.CodebookInt4Method).
+    "bnb-nf4-nested": (bnb4("nf4"), qc.bnb_4bit("nf4", nested=True), True),
+    "bnb-fp4": (bnb4("fp4"), qc.bnb_4bit("fp4", nested=False), True),
 }
 
 
@@ -113,7 +114,9 @@ def test_row_parallel_layer_with_odd_sizes(fmt: str) -> None:
 
 
 def _check(layer, w: np.ndarray, exact: bool) -> None:
-    if load_int8_gemm() is not None:  # with the kernels built, the layer runs int8 (no float fallback)
+    if isinstance(layer.quant_method, CodebookInt4Method):  # 4-bit codes on the int4 kernel
+        assert layer.weight.dtype == torch.uint8
+    elif load_int8_gemm() is not None:  # with the kernels built, the layer runs int8 (no float fallback)
         assert isinstance(layer.quant_method, (Int8LinearMethod, W8A8LinearMethod))
         assert layer.weight.dtype == torch.int8
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(2))
@@ -184,3 +187,79 @@ def test_a_layer_the_checkpoint_left_float_is_quantized_on_arrival_and_the_head_
     assert head.weight.dtype == torch.float32
     step = torch.from_numpy(np.abs(deq).max(axis=1) / 127).float()
     assert ((head.weight.data - torch.from_numpy(deq)).abs() <= step[:, None] / 2 + 1e-6).all()
+
+
+def _bnb4_layer(kind: str, layer, parts: dict[str, torch.Tensor]):
+    config = get_quantization_config("bitsandbytes", bnb4(kind))
+    for _, tensor in config.convert_checkpoint(_stream("m", parts)):
+        layer.weight.weight_loader(layer.weight, tensor, None)
+    layer.quant_method.process_weights_after_loading(layer)
+    return layer
+
+
+@pytest.mark.parametrize("kind", ["nf4", "fp4"])
+@pytest.mark.parametrize("blocksize", [64, 128, 256])
+def test_4bit_layer_runs_bitsandbytes_own_weights_exactly(kind: str, blocksize: int) -> None:
+    """bitsandbytes' own quantize_4bit (its serialized state): the layer keeps the codes (half a
+    byte a weight on the int4 kernel with the code table) and computes x @ W^T for W its own
+    dequantize_4bit, to float rounding. Blocks of 128 and 256 are groups of 64 with repeated scales."""
+    bnb = pytest.importorskip("bitsandbytes.functional")
+    if load_int4_table_gemm() is None:
+        pytest.skip("the C++ kernels are not built here")
+    w = torch.randn(96, 256, generator=torch.Generator().manual_seed(6))
+    q, state = bnb.quantize_4bit(w, blocksize=blocksize, quant_type=kind, compress_statistics=True)
+    parts = {"weight": q, **{f"weight.{k}": v for k, v in state.as_dict(packed=True).items()}}
+    config = get_quantization_config("bitsandbytes", bnb4(kind))
+    layer = _bnb4_layer(kind, RowParallelLinear(256, 96, quant_config=config), parts)
+    assert isinstance(layer.quant_method, CodebookInt4Method) and layer.quant_method.group_size == 64
+    assert layer.weight.dtype == torch.uint8 and layer.weight.numel() == 96 * 256 // 2
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(7))
+    want = x.double() @ bnb.dequantize_4bit(q, state).double().T
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_4bit_layer_falls_back_where_the_kernel_cannot_take_it() -> None:
+    """40 outputs (not a multiple of the kernels' 16): dequantized and requantized per channel as
+    the other requantized formats are (which then runs as float32, as int8 would here)."""
+    config = get_quantization_config("bitsandbytes", bnb4("nf4"))
+    stored, w = qc.bnb_4bit("nf4", nested=False)(torch.randn(40, 64, generator=torch.Generator().manual_seed(8)))
+    layer = _bnb4_layer("nf4", RowParallelLinear(64, 40, quant_config=config), stored)
+    assert not isinstance(layer.quant_method, CodebookInt4Method) and layer.weight.dtype != torch.uint8
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    want = x @ torch.from_numpy(w).T
+    bound = 1e-4 + x.abs() @ torch.ones(64, 1) * torch.from_numpy(np.abs(w).max(axis=1) / 127) / 2
+    assert ((layer(x) - want).abs() <= bound).all()
+
+
+def test_4bit_layer_errors_name_the_cause() -> None:
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(9))
+    config = get_quantization_config("bitsandbytes", bnb4("nf4"))
+    fp4_parts, _ = qc.bnb_4bit("fp4", nested=False)(w)
+    with pytest.raises(ValueError, match="a fp4 weight in a checkpoint whose .* says bnb_4bit_quant_type 'nf4'"):
+        _bnb4_layer("nf4", RowParallelLinear(64, 32, quant_config=config), fp4_parts)
+    small_blocks, _ = qc.bnb_4bit("nf4", nested=False, blocksize=32)(w)
+    with pytest.raises(ValueError, match="blocks of 32 values .* blocks of 64 values or a multiple"):
+        _bnb4_layer("nf4", RowParallelLinear(64, 32, quant_config=config), small_blocks)
+
+
+def test_4bit_fused_layer_quantizes_a_float_shard_to_the_table() -> None:
+    """A shard the checkpoint left float (beside 4-bit ones) is quantized as bitsandbytes would:
+    absmax per group of 64, nearest table value; the layer computes with exactly those weights."""
+    from pagedllm.layers.quantization.bitsandbytes import NF4_TABLE, quantize_to_table
+
+    config = get_quantization_config("bitsandbytes", bnb4("nf4"))
+    layer = QKVParallelLinear(64, 16, 4, 2, quant_config=config)
+    weights = {s: torch.randn(n, 64, generator=torch.Generator().manual_seed(10 + n)) / 8 for s, n in (("q", 64), ("k", 32), ("v", 32))}  # fmt: skip
+    packed = {s: qc.bnb_4bit("nf4", nested=True)(weights[s]) for s in "qv"}
+    for shard in "qkv":
+        if shard == "k":
+            stream = config.convert_checkpoint(iter([("m.k.weight", weights["k"])]))
+        else:
+            stream = config.convert_checkpoint(_stream(f"m.{shard}", packed[shard][0]))
+        for _, tensor in stream:
+            layer.weight.weight_loader(layer.weight, tensor, shard)
+    layer.quant_method.process_weights_after_loading(layer)
+    codes, scale = quantize_to_table(weights["k"], 64, torch.tensor(NF4_TABLE))
+    k_w = (torch.tensor(NF4_TABLE)[codes.long()] * scale).numpy()
+    assert np.abs(k_w - weights["k"].numpy()).max() <= 0.2 * np.abs(weights["k"].numpy()).max()
+    _check(layer, np.concatenate([packed["q"][1], k_w, packed["v"][1]]), exact=True)

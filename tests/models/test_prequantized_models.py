@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
+from pagedllm.layers.quantization.bitsandbytes import CodebookInt4Method, load_int4_table_gemm
 from tests import quant_checkpoints as qc
 from tests.engine_checks import assert_idle_and_intact
 from tests.layers.test_prequantized import FORMATS, ct
@@ -89,6 +90,13 @@ def test_greedy_and_logits_match_transformers_on_the_dequantized_weights(fmt: st
     params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     ours = [list(o.outputs[0].token_ids) for o in outs]
+    if fmt == "bnb-nf4-nested" and load_int4_table_gemm() is not None:
+        # NF4 stays 4-bit on the int4 kernel with its code table, and the C++ decode stack runs it (method 8).
+        model = llm.llm_engine.engine_core.executor.worker.model_runner.model.model
+        layer = model.layers[0].mlp.gate_up_proj
+        assert isinstance(layer.quant_method, CodebookInt4Method) and layer.weight.dtype == torch.uint8
+        stack = model.decode_stack()
+        assert stack is not None and set(stack.methods) == {8}
     seq = PROMPTS[0] + ours[0]
     got = teacher_forced_logits(llm, seq)
     assert_idle_and_intact(llm)

@@ -9,21 +9,31 @@ value in the high nibble) of the row-major flattened matrix; each block of ``blo
 are themselves uint8 codes: absmax = nested_quant_map[code] * nested_absmax[block / nested
 blocksize] + offset. The layout (shape, blocksize, quant_type, nested_* and offset) is JSON
 bytes in ``weight.quant_state.bitsandbytes__nf4`` (or ``__fp4``) beside ``weight.quant_map``,
-the code table (checked against the fixed NF4 / FP4 tables below). Each layer is dequantized at
-load and requantized to int8 per channel (the cost is in docs/architecture.md).
+the code table (checked against the fixed NF4 / FP4 tables below). On CPU the codes stay 4-bit
+and run exactly on the int4 kernel with the table (``packed_linear_int4_table``: W = table[q] *
+s, :class:`CodebookInt4Method`): each run of inputs within one block and one row (their gcd) is a
+group whose scale is its block's absmax. Where that kernel cannot run (CUDA, out_features % 16,
+no kernel build) the layer is dequantized and requantized to int8 per channel instead.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+from functools import lru_cache
+from typing import Any, Protocol, cast
 
 import torch
+from torch import nn
 
-from pagedllm.layers.quantization.base import QuantizationConfig
+from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_group_params
+from pagedllm.layers.cpu_kernels import cpu_ops
+from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
 from pagedllm.layers.quantization.checkpoint import register
+from pagedllm.layers.quantization.int4 import Int4KernelMethod, LinearInt4, pack_int4, pack_pairs, unpack_pairs
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel
-from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig
+from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, PrequantizedInt8Method
+from pagedllm.layers.sharding import ShardId
 
 # The 16 values of each 4-bit code (bitsandbytes' tables, float32 as it stores them).
 NF4_TABLE = (
@@ -90,29 +100,65 @@ class FourBitScheme(CheckpointScheme):
     def to_int8(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize_per_channel(dequantize_4bit(prefix, parts))
 
+    def convert(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        return coded_int4(prefix, parts)
+
 
 def _state_name(parts: dict[str, torch.Tensor]) -> str | None:
     return next((name for name in parts if name.startswith(_STATE)), None)
 
 
-def dequantize_4bit(prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
-    """W [out, in] float32 of one NF4 / FP4 layer (see the module doc)."""
+def _read_4bit(
+    prefix: str, parts: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, int, str, tuple[int, int]]:
+    """(codes [out * in] uint8, absmax [blocks], blocksize, kind, shape) of one NF4 / FP4 layer."""
     state_name = _state_name(parts)
     assert state_name is not None, "ready() saw the quant state"
     state = json.loads(bytes(parts[state_name].tolist()))
     kind, shape, blocksize = state["quant_type"], tuple(state["shape"]), int(state["blocksize"])
-    table = torch.tensor(CODE_TABLES[kind])
-    if not torch.equal(parts["weight.quant_map"].float().cpu(), table):
+    if kind not in CODE_TABLES or len(shape) != 2:
+        raise ValueError(f"{prefix}: a 4-bit {kind!r} weight of shape {shape}; supported: 2-D nf4 and fp4 weights")
+    if not torch.equal(parts["weight.quant_map"].float().cpu(), torch.tensor(CODE_TABLES[kind])):
         raise ValueError(f"{prefix}.weight.quant_map is not the standard {kind} code table")
     numel = shape[0] * shape[1]
     packed = parts["weight"].reshape(-1)
     if packed.dtype != torch.uint8 or packed.numel() != -(-numel // 2):
         raise ValueError(f"{prefix}.weight holds {packed.numel()} bytes; a {shape} 4-bit weight needs {-(-numel // 2)}")
-    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel].long()
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=1).reshape(-1)[:numel]
     absmax = _absmax(prefix, parts, state, -(-numel // blocksize))
-    values = table[codes]
+    return codes, absmax, blocksize, kind, (int(shape[0]), int(shape[1]))
+
+
+def dequantize_4bit(prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+    """W [out, in] float32 of one NF4 / FP4 layer (see the module doc)."""
+    codes, absmax, blocksize, kind, shape = _read_4bit(prefix, parts)
+    numel = codes.numel()
+    values = torch.tensor(CODE_TABLES[kind])[codes.long()]
     padded = torch.nn.functional.pad(values, (0, absmax.numel() * blocksize - numel))
     return (padded.reshape(-1, blocksize) * absmax[:, None]).reshape(-1)[:numel].reshape(shape)
+
+
+class CodedInt4(torch.Tensor):
+    """One NF4 / FP4 layer on its way to :class:`CodebookInt4Method`'s loader: its codes [out, in / 2]
+    (``pack_pairs``) with ``group_scale`` [out, in / u], the absmax of the block each run of u =
+    gcd(in, blocksize) inputs of a row lies in (such a run never straddles a block or a row)."""
+
+    group_scale: torch.Tensor
+    kind: str  # nf4 | fp4
+
+
+def coded_int4(prefix: str, parts: dict[str, torch.Tensor]) -> CodedInt4:
+    codes, absmax, blocksize, kind, (out, inputs) = _read_4bit(prefix, parts)
+    if inputs % 2:
+        raise ValueError(
+            f"{prefix}: a 4-bit weight of {inputs} inputs; pagedllm runs 4-bit layers of an even input size"
+        )
+    run = math.gcd(inputs, blocksize)
+    starts = torch.arange(out)[:, None] * inputs + torch.arange(0, inputs, run)[None, :]
+    coded = pack_pairs(codes.reshape(out, inputs)).as_subclass(CodedInt4)
+    coded.group_scale = absmax[starts // blocksize].contiguous()
+    coded.kind = kind
+    return coded
 
 
 def _absmax(prefix: str, parts: dict[str, torch.Tensor], state: dict[str, Any], blocks: int) -> torch.Tensor:
@@ -128,6 +174,140 @@ def _absmax(prefix: str, parts: dict[str, torch.Tensor], state: dict[str, Any], 
     return codes * nested.repeat_interleave(size)[:blocks] + float(state["nested_offset"])
 
 
+# The group size of a 4-bit layer (inputs per scale): bitsandbytes' default block of 64 values,
+# or gcd(in_features, 64) when blocks straddle rows. A checkpoint's blocks of a multiple of it
+# (128, 256, ...) repeat their scales; smaller blocks are refused.
+BLOCK = 64
+
+
+@lru_cache(maxsize=1)
+def load_int4_table_gemm() -> LinearInt4 | None:
+    """``packed_linear_int4_table(x, packed, scale, table, bias, group_size)`` of the selected
+    build, or None when the CPU kernels are disabled or the build failed."""
+    ops = cpu_ops()
+    return None if ops is None else ops.packed_linear_int4_table.default
+
+
+def quantize_to_table(w: torch.Tensor, group: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """W [out, in] float -> (codes [out, in] uint8, scale [out, in / group]): each group's absmax
+    and each weight's nearest table value, as bitsandbytes quantizes (a layer the checkpoint left
+    in float that shares a fused layer with 4-bit ones)."""
+    out, inputs = w.shape
+    groups = w.float().reshape(out, inputs // group, group)
+    scale = groups.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = (groups[..., None] / scale[..., None, None] - table.to(w.device)).abs().argmin(dim=-1)
+    return codes.reshape(out, inputs).to(torch.uint8), scale
+
+
+class _CodedLayer(Protocol):
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    weight_table: torch.Tensor
+    quant_method: LinearMethodBase
+
+
+class CodebookInt4Method(Int4KernelMethod):
+    """An NF4 / FP4 layer: ``weight`` [out, in / 2] uint8 codes (``pack_pairs``) and ``weight_scale``
+    [out, in / G] float32 filled from the converted checkpoint (:class:`CodedInt4`; cut to this
+    rank's shard by the layer's loaders like a dense weight), then packed for the int4 kernel with
+    the code table (``packed_linear_int4_table``); see the module doc for where it falls back."""
+
+    format_name = "bitsandbytes 4-bit"
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.table = torch.tensor(CODE_TABLES[kind], dtype=torch.float32)
+        self.params_dtype = torch.float32
+        self.loaded = False
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        if input_size % 2:
+            raise ValueError(f"a 4-bit layer of {input_size} inputs; pagedllm runs 4-bit layers of an even input size")
+        group = self.group_size = math.gcd(input_size, BLOCK)
+        self.params_dtype = params_dtype
+        out = sum(output_sizes)
+        weight = nn.Parameter(torch.empty(out, input_size // 2, dtype=torch.uint8), requires_grad=False)
+        scale = torch.empty(out, input_size // group, dtype=torch.float32)
+        set_weight_attrs(scale, output_dim=0, input_dim=1)  # type: ignore[arg-type]  # a buffer, read by the loaders
+        layer.register_buffer("weight_scale", scale, persistent=False)
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            pairs, group_scale = self._codes(loaded)
+            weight_loader(param, pairs, shard_id)
+            weight_loader(layer.weight_scale, group_scale, shard_id)
+
+        set_weight_attrs(weight, output_dim=0, input_dim=1, packed_dim=1, pack_factor=2, weight_loader=load)
+        layer.register_parameter("weight", weight)
+
+    def _codes(self, loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes [out, in / 2], scale [out, in / G]) of a loaded tensor: a converted layer's, or a
+        float one (a layer the checkpoint left unquantized) quantized to the table now."""
+        group = self.group_size
+        if isinstance(loaded, CodedInt4):
+            if loaded.kind != self.kind:
+                raise ValueError(
+                    f"a {loaded.kind} weight in a checkpoint whose {_WHERE} says bnb_4bit_quant_type {self.kind!r}"
+                )
+            scale = loaded.group_scale
+            run = loaded.shape[1] * 2 // scale.shape[1]
+            if run % group:
+                raise ValueError(
+                    f"bitsandbytes 4-bit blocks of {run} values in a layer whose groups are {group} inputs; "
+                    f"pagedllm reads blocks of {BLOCK} values or a multiple of it (bitsandbytes' default is {BLOCK})"
+                )
+            return loaded.as_subclass(torch.Tensor), scale.repeat_interleave(run // group, dim=1)
+        if not loaded.is_floating_point():
+            raise ValueError(f"a {loaded.dtype} weight reached a 4-bit layer without its quantization state")
+        codes, scale = quantize_to_table(loaded, group, self.table)
+        return pack_pairs(codes), scale
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        if self.loaded:
+            return
+        self.loaded = True
+        typed = cast(_CodedLayer, layer)
+        q, scale = unpack_pairs(typed.weight.data), typed.weight_scale
+        kernel = load_int4_table_gemm() if q.device.type == "cpu" else None
+        if kernel is not None and q.shape[0] % PANEL == 0 and self.group_size % 8 == 0:
+            packed_scale, _ = pack_group_params(scale)
+            self._store(layer, pack_int4(q), packed_scale, None, None)
+            layer.register_buffer("weight_table", self.table.clone(), persistent=False)
+            self._kernel = kernel
+            return
+        # No kernel takes the codes here: int8 per channel, as the other requantized formats.
+        w = self.table.to(q.device)[q.long()] * scale.repeat_interleave(self.group_size, dim=1)
+        q8, s8 = quantize_per_channel(w)
+        typed.weight = nn.Parameter(q8, requires_grad=False)
+        typed.weight_scale = s8
+        fallback = PrequantizedInt8Method(Int8LinearMethod())
+        fallback.params_dtype = self.params_dtype
+        typed.quant_method = fallback
+        fallback.process_weights_after_loading(layer)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        typed = cast(_CodedLayer, layer)
+        return self._kernel(x, typed.weight, typed.weight_scale, typed.weight_table, bias, self.group_size)
+
+
+class BitsAndBytes4bitConfig(BitsAndBytesConfig):
+    """NF4 / FP4 checkpoints: the linears on :class:`CodebookInt4Method`, the LM head float."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(FourBitScheme(), Int8LinearMethod)
+        self.kind = kind
+
+    def get_linear_method(self) -> LinearMethodBase:
+        return CodebookInt4Method(self.kind)
+
+
 @register("bitsandbytes")
 def parse_bitsandbytes(config: dict[str, Any]) -> QuantizationConfig:
     """``load_in_8bit`` or ``load_in_4bit`` (``bnb_4bit_quant_type`` nf4 | fp4)."""
@@ -138,4 +318,4 @@ def parse_bitsandbytes(config: dict[str, Any]) -> QuantizationConfig:
     kind = config.get("bnb_4bit_quant_type", "fp4")
     if kind not in CODE_TABLES:
         raise ValueError(f"{_WHERE}: bnb_4bit_quant_type {kind!r} is not supported; supported: nf4, fp4")
-    return BitsAndBytesConfig(FourBitScheme(), Int8LinearMethod)
+    return BitsAndBytes4bitConfig(kind)

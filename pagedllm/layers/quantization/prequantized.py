@@ -116,6 +116,11 @@ class CheckpointScheme(ABC):
     def to_int8(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(Q [out, in] int8, scale [out] float32) of the layer ``prefix`` (used in errors)."""
 
+    def convert(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The one tensor that stands for the layer in the converted stream (default: its
+        :class:`ScaledInt8`; a format its own kernel runs hands its method another form)."""
+        return scaled_int8(*self.to_int8(prefix, parts))
+
     def split(self, name: str) -> tuple[str, str] | None:
         """(module, suffix) when ``name`` is one of this scheme's tensors, else None."""
         for suffix in sorted(self.weight_suffixes + self.companions + self.dropped, key=len, reverse=True):
@@ -126,7 +131,7 @@ class CheckpointScheme(ABC):
 
 def convert_checkpoint(weights: Weights, scheme: CheckpointScheme) -> Weights:
     """The checkpoint's stream with every quantized layer's tensors replaced by one
-    ``<module>.weight`` :class:`ScaledInt8`; other tensors pass through. A layer's tensors wait
+    ``<module>.weight`` (a :class:`ScaledInt8`, or the scheme's own form); other tensors pass through. A layer's tensors wait
     (they are small: quantized) until all have arrived, in whatever order the files hold them."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
@@ -141,7 +146,7 @@ def convert_checkpoint(weights: Weights, scheme: CheckpointScheme) -> Weights:
         parts[suffix] = tensor
         if scheme.ready(parts):
             del pending[prefix]
-            yield f"{prefix}.weight", scaled_int8(*scheme.to_int8(prefix, parts))
+            yield f"{prefix}.weight", scheme.convert(prefix, parts)
     if pending:
         raise ValueError(f"incomplete quantized layers in the checkpoint: {_incomplete(pending)}")
 
