@@ -102,8 +102,9 @@ class ModelArgs:
         "head in int8 groups of 32, w8a8 runs it as W8A8. CPU: float32 activations, C++ kernels; CUDA: Triton "
         "kernels, any float dtype. "
         "Quantized checkpoints are detected from config.json's quantization_config (naming their method "
-        "here is optional): awq / gptq run on the int4 kernel; fp8, compressed-tensors and bitsandbytes "
-        "load onto the int8 layers. A GGUF file loads as gguf by default on CPU (its Q4_0 / Q4_1 / Q4_K "
+        "here is optional): awq / gptq, compressed-tensors W4A16 and bitsandbytes NF4 / FP4 (with its code "
+        "table) run on the int4 kernel; fp8, 8-bit compressed-tensors and bitsandbytes 8-bit load onto the "
+        "int8 layers. A GGUF file loads as gguf by default on CPU (its Q4_0 / Q4_1 / Q4_K and IQ4_NL / IQ4_XS "
         "linears on the int4 kernel, Q8_0 / Q5 / Q6_K linears and layers mixing block types as int8 groups, "
         "the other tensors float32); none: dequantize it all to float",
         choices=("none", *QUANTIZATION_METHODS),

@@ -283,7 +283,7 @@ def _method(linear: Any) -> int | None:
     if isinstance(method, Int8LinearMethod):
         return _INT8 if method.quantized else None
     if isinstance(method, Int4KernelMethod):  # packed (not fallen back), no act-order input permutation
-        if getattr(linear, "weight_table", None) is not None:  # codes in a table (bitsandbytes NF4 / FP4)
+        if method.code_table:  # codes in a table (bitsandbytes NF4 / FP4, GGUF IQ4)
             code = _INT4_TABLE
         elif method.zero_offset:  # its zero tensor holds offsets (GGUF Q4_1's m)
             code = _W4A8_OFFSET if method.int8_activations else _INT4_OFFSET

@@ -17,11 +17,14 @@ from pagedllm.layers.linear import MergedColumnParallelLinear
 from pagedllm.layers.quantization import building_with, int8_groups
 from pagedllm.layers.quantization.gguf import (
     INT8_SUFFIXES,
+    IQ4_SUFFIXES,
+    IQ4_TABLE,
     Q4_SUFFIXES,
     Q8_SUFFIXES,
     GGUFConfig,
     GGUFLinearMethod,
     blocks_to_int8,
+    iq4_to_codes,
     q4_to_int4,
     q8_to_int8,
 )
@@ -80,9 +83,16 @@ def test_q4_k_repacks_to_the_dequantized_weights() -> None:
 
 def _random_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
     """Random blocks of a K-quant gguf-py cannot write (any bits, sane float16 scales)."""
-    size, headers = {"Q4_K": (144, (0, 2)), "Q5_K": (176, (0, 2)), "Q6_K": (210, (208,))}[qtype]
+    size, headers = {
+        "Q4_K": (144, (0, 2)),
+        "Q5_K": (176, (0, 2)),
+        "Q6_K": (210, (208,)),
+        "IQ4_NL": (18, (0,)),
+        "IQ4_XS": (136, (0,)),
+    }[qtype]
+    per_block = 32 if qtype == "IQ4_NL" else 256
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows * cols // 256, size), dtype=np.uint8)
+    blocks = rng.integers(0, 256, size=(rows * cols // per_block, size), dtype=np.uint8)
     for at in headers:
         d = rng.uniform(0.001, 0.05, size=blocks.shape[0]).astype(np.float16)
         blocks[:, at : at + 2] = np.frombuffer(d.tobytes(), np.uint8).reshape(-1, 2)
@@ -105,6 +115,16 @@ def test_5_and_6_bit_types_repack_to_int8_groups_of_16(qtype: str) -> None:
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_iq4_codes_and_scales_are_what_gguf_py_decodes(qtype: str) -> None:
+    """Random blocks (every code and 6-bit scale): table[code] * scale equals gguf-py, bitwise."""
+    raw = _random_blocks(qtype, 8, 512, seed=4)
+    codes, scale = iq4_to_codes(raw, qtype)
+    assert codes.dtype == np.uint8 and codes.max() <= 15 and scale.shape == (8, 512 // 32)
+    got = np.array(IQ4_TABLE, dtype=np.float32)[codes] * np.repeat(scale, 32, axis=1)
+    assert np.array_equal(got, gguf_dequantize(raw, GGMLQuantizationType[qtype]))
+
+
 def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinear, torch.Tensor]:
     """gate/up of 32 outputs each over 256 inputs, each part given as GGUF blocks of a type
     ("q4": Q4_0, "q41": Q4_1, "q8": Q8_0, "q5": Q5_1, "q6k": Q6_K) streamed as the loader streams them, or
@@ -114,7 +134,15 @@ def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinea
         layer = MergedColumnParallelLinear(256, [32, 32], bias=False)
     params = dict(layer.named_parameters())
     reference = []
-    qtypes = {"q4": "Q4_0", "q41": "Q4_1", "q8": "Q8_0", "q5": "Q5_1", "q6k": "Q6_K"}
+    qtypes = {
+        "q4": "Q4_0",
+        "q41": "Q4_1",
+        "q8": "Q8_0",
+        "q5": "Q5_1",
+        "q6k": "Q6_K",
+        "iq4nl": "IQ4_NL",
+        "iq4xs": "IQ4_XS",
+    }
     for shard, (kind, w) in enumerate(zip(parts, np.split(_weights(64, 256), 2))):
         if kind == "float":
             params["weight"].weight_loader(params["weight"], torch.from_numpy(w), shard)
@@ -122,10 +150,14 @@ def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinea
             continue
         qtype = qtypes[kind]
         raw = (
-            _random_blocks(qtype, 32, 256, shard) if qtype == "Q6_K" else gguf_quantize(w, GGMLQuantizationType[qtype])
+            _random_blocks(qtype, 32, 256, shard)
+            if qtype in ("Q6_K", "IQ4_NL", "IQ4_XS")
+            else gguf_quantize(w, GGMLQuantizationType[qtype])
         )
         if kind in ("q4", "q41"):
             names, values = Q4_SUFFIXES, q4_to_int4(raw, qtype)
+        elif kind.startswith("iq4"):
+            names, values = IQ4_SUFFIXES, iq4_to_codes(raw, qtype)
         elif kind == "q8":
             names, values = Q8_SUFFIXES, q8_to_int8(raw)
         else:
@@ -175,6 +207,24 @@ def test_block_types_other_than_4bit_stay_int8_groups(parts: list[str], group: i
         assert layer.weight_scale.dtype == torch.float16
     assert not any(hasattr(layer, name) for name in (*Q4_SUFFIXES, *Q8_SUFFIXES, *INT8_SUFFIXES))
     # The file's values, the kernel's sums (random Q6_K blocks reach |w| ~ 200: a relative bound).
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+@pytest.mark.parametrize("parts", [["iq4nl", "iq4nl"], ["iq4xs", "iq4nl"]])
+def test_iq4_layers_run_the_int4_kernel_with_the_table(parts: list[str]) -> None:
+    """IQ4_NL / IQ4_XS parts stay 4-bit: their codes on the table op, the file's weights."""
+    x = torch.randn(3, 256)
+    layer, want = _layer(parts, x)
+    method = layer.quant_method
+    assert isinstance(method, GGUFLinearMethod) and method.code_table and layer.weight.dtype == torch.uint8
+    assert layer.weight.numel() == 64 * 256 // 2 and not any(hasattr(layer, name) for name in IQ4_SUFFIXES)
+    torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+
+
+def test_iq4_beside_another_block_type_joins_the_int8_groups_exactly() -> None:
+    x = torch.randn(3, 256)
+    layer, want = _layer(["iq4xs", "q8"], x)
+    assert isinstance(layer.quant_method, GroupedInt8Method) and layer.weight_zero is None  # both symmetric
     torch.testing.assert_close(layer(x), want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
 
 
@@ -404,3 +454,46 @@ def test_a_mixed_gguf_keeps_its_5_bit_linears_int8_with_transformers_greedy_toke
     for a, b in zip(stacked, modules.generate([{"prompt_token_ids": p} for p in prompts], logprobs, use_tqdm=False)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.outputs[0].logprobs == b.outputs[0].logprobs
     modules.llm_engine.check_integrity()
+
+
+@pytest.mark.parametrize("qtype", ["IQ4_NL", "IQ4_XS"])
+def test_an_iq4_gguf_stays_4bit_with_transformers_greedy_tokens(
+    qtype: str, tiny_model_dir: Any, llama_model_dir: Path, tmp_path: Path
+) -> None:
+    """IQ4_NL / IQ4_XS linears (written by the exporter's own IQ4 quantizer: gguf-py has none) run
+    on the int4 table op, in the C++ decode stack (method 8), with transformers' greedy tokens on
+    its dequantizing GGUF load. IQ4_XS's blocks of 256 need a wider model than the tests' default."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.entrypoints.bench.gguf_export import write_gguf
+    from pagedllm.hf_config import load_hf_config
+
+    src = llama_model_dir if qtype == "IQ4_NL" else tiny_model_dir("llama", hidden_size=256, intermediate_size=512)
+    state: dict[str, Any] = {}
+    for f in sorted(src.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    # IQ4_NL's LM head in IQ4_NL too (the table op from the file's blocks), IQ4_XS's float32.
+    head_quant = qtype if qtype == "IQ4_NL" else None
+    path = write_gguf(state, load_hf_config(src), tmp_path / f"tiny-{qtype}.gguf", quant=qtype, head_quant=head_quant)
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    llm = LLM(str(path), tokenizer=str(src), kv_cache_memory=0.05, max_model_len=128)
+    layers = _model(llm).model.layers
+    for linear in (layers[0].self_attn.qkv_proj, layers[0].mlp.down_proj):
+        assert isinstance(linear.quant_method, GGUFLinearMethod) and linear.quant_method.code_table
+        assert linear.weight.dtype == torch.uint8
+    head = _model(llm).lm_head
+    if head_quant:
+        assert head.quant_method.code_table and head.weight.dtype == torch.uint8
+        hidden = torch.randn(4, hf.config.hidden_size)
+        torch.testing.assert_close(head(hidden), hidden @ hf.lm_head.weight.T, rtol=1e-5, atol=1e-5)
+    else:
+        assert isinstance(head.quant_method, UnquantizedLinearMethod)
+    prompts = [[5, 17, 99, 3, 250], [42, 7, 7, 300, 11, 64, 2]]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)):
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    stack = _model(llm).model._decode_stack
+    assert stack is not None and set(stack.methods) == {8}
+    llm.llm_engine.check_integrity()

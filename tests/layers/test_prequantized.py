@@ -16,7 +16,8 @@ import torch
 from pagedllm.layers.cpu_gemm_kernels import unpack_int8
 from pagedllm.layers.linear import QKVParallelLinear, RowParallelLinear
 from pagedllm.layers.quantization import get_quantization_config
-from pagedllm.layers.quantization.bitsandbytes import CodebookInt4Method, dequantize_4bit, load_int4_table_gemm
+from pagedllm.layers.quantization.bitsandbytes import CodebookInt4Method, dequantize_4bit
+from pagedllm.layers.quantization.int4 import load_int4_table_gemm
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, load_int8_gemm
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod, quantize_per_token, unpack_w8a8
 from tests import quant_checkpoints as qc

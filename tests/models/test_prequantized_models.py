@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.config import EngineArgs
-from pagedllm.layers.quantization.bitsandbytes import CodebookInt4Method, load_int4_table_gemm
+from pagedllm.layers.quantization.bitsandbytes import CodebookInt4Method
+from pagedllm.layers.quantization.int4 import load_int4_table_gemm
 from tests import quant_checkpoints as qc
 from tests.engine_checks import assert_idle_and_intact
 from tests.layers.test_prequantized import FORMATS, ct

@@ -174,4 +174,40 @@ def _add_tensor(writer: Any, name: str, array: np.ndarray, quant: str | None) ->
     if qtype is None or array.ndim != 2 or array.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
         writer.add_tensor(name, array)
         return
-    writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    blocks = quantize_iq4(array, quant) if quant in IQ4_KVALUES_TYPES else gguf.quants.quantize(array, qtype)
+    writer.add_tensor(name, blocks, raw_dtype=qtype)
+
+
+IQ4_KVALUES_TYPES = ("IQ4_NL", "IQ4_XS")
+_KVALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+
+def quantize_iq4(array: np.ndarray, quant: str) -> np.ndarray:
+    """[rows, K] float32 -> IQ4_NL or IQ4_XS blocks (uint8 [rows, row bytes]), which gguf-py
+    cannot write: per 32 values a scale that maps the one of largest magnitude onto -127 (the
+    table's end) and each value's nearest table entry; IQ4_XS stores each 32's scale as a 6-bit
+    multiple (ls - 32) of its 256-block's d. (llama.cpp searches the scale further; the layout is its.)"""
+    rows, k = array.shape
+    runs = array.reshape(-1, 32).astype(np.float32)
+    extreme = runs[np.arange(len(runs)), np.abs(runs).argmax(axis=1)]
+    scale = (extreme / _KVALUES[0]).astype(np.float32)
+    if quant == "IQ4_NL":
+        d = scale.astype(np.float16)
+        blocks = [d.view(np.uint8).reshape(-1, 2), _iq4_nibbles(runs, d.astype(np.float32))]
+        return np.concatenate(blocks, axis=1).reshape(rows, -1)
+    per_block = scale.reshape(-1, 8)
+    d = (np.abs(per_block).max(axis=1) / 31).astype(np.float16)
+    safe = np.where(d == 0, np.float16(1), d).astype(np.float32)
+    ls = (np.clip(np.round(per_block / safe[:, None]), -32, 31) + 32).astype(np.uint8)  # [B, 8]
+    nibbles = _iq4_nibbles(runs, (d.astype(np.float32)[:, None] * (ls.astype(np.float32) - 32)).reshape(-1))
+    high = ((ls >> 4).astype(np.uint16) << (2 * np.arange(8, dtype=np.uint16))).sum(axis=1, dtype=np.uint16)
+    low = (ls[:, 0::2] & 15) | ((ls[:, 1::2] & 15) << 4)
+    blocks = [d.view(np.uint8).reshape(-1, 2), high.view(np.uint8).reshape(-1, 2), low, nibbles.reshape(-1, 128)]
+    return np.concatenate(blocks, axis=1).reshape(rows, -1)
+
+
+def _iq4_nibbles(runs: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Each run of 32's nearest table codes under its scale, as 16 bytes (code i | code i + 16 << 4)."""
+    safe = np.where(scale == 0, 1.0, scale).astype(np.float32)[:, None]
+    codes = np.abs(runs[:, :, None] / safe[:, :, None] - _KVALUES).argmin(axis=2).astype(np.uint8)
+    return codes[:, :16] | (codes[:, 16:] << 4)

@@ -20,17 +20,14 @@ from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
 from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
 
-from pagedllm.layers.cpu_gemm_kernels import PANEL, pack_group_params
-from pagedllm.layers.cpu_kernels import cpu_ops
 from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
 from pagedllm.layers.quantization.checkpoint import register
-from pagedllm.layers.quantization.int4 import Int4KernelMethod, LinearInt4, pack_int4, pack_pairs, unpack_pairs
+from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize_table, pack_pairs, unpack_pairs
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel
 from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, PrequantizedInt8Method
 from pagedllm.layers.sharding import ShardId
@@ -180,14 +177,6 @@ def _absmax(prefix: str, parts: dict[str, torch.Tensor], state: dict[str, Any], 
 BLOCK = 64
 
 
-@lru_cache(maxsize=1)
-def load_int4_table_gemm() -> LinearInt4 | None:
-    """``packed_linear_int4_table(x, packed, scale, table, bias, group_size)`` of the selected
-    build, or None when the CPU kernels are disabled or the build failed."""
-    ops = cpu_ops()
-    return None if ops is None else ops.packed_linear_int4_table.default
-
-
 def quantize_to_table(w: torch.Tensor, group: int, table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """W [out, in] float -> (codes [out, in] uint8, scale [out, in / group]): each group's absmax
     and each weight's nearest table value, as bitsandbytes quantizes (a layer the checkpoint left
@@ -202,7 +191,6 @@ def quantize_to_table(w: torch.Tensor, group: int, table: torch.Tensor) -> tuple
 class _CodedLayer(Protocol):
     weight: torch.Tensor
     weight_scale: torch.Tensor
-    weight_table: torch.Tensor
     quant_method: LinearMethodBase
 
 
@@ -275,26 +263,16 @@ class CodebookInt4Method(Int4KernelMethod):
         self.loaded = True
         typed = cast(_CodedLayer, layer)
         q, scale = unpack_pairs(typed.weight.data), typed.weight_scale
-        kernel = load_int4_table_gemm() if q.device.type == "cpu" else None
-        if kernel is not None and q.shape[0] % PANEL == 0 and self.group_size % 8 == 0:
-            packed_scale, _ = pack_group_params(scale)
-            self._store(layer, pack_int4(q), packed_scale, None, None)
-            layer.register_buffer("weight_table", self.table.clone(), persistent=False)
-            self._kernel = kernel
+        if self.finish_int4_table(layer, q, scale, self.table):
             return
         # No kernel takes the codes here: int8 per channel, as the other requantized formats.
-        w = self.table.to(q.device)[q.long()] * scale.repeat_interleave(self.group_size, dim=1)
-        q8, s8 = quantize_per_channel(w)
+        q8, s8 = quantize_per_channel(dequantize_table(q, scale, self.table))
         typed.weight = nn.Parameter(q8, requires_grad=False)
         typed.weight_scale = s8
         fallback = PrequantizedInt8Method(Int8LinearMethod())
         fallback.params_dtype = self.params_dtype
         typed.quant_method = fallback
         fallback.process_weights_after_loading(layer)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        typed = cast(_CodedLayer, layer)
-        return self._kernel(x, typed.weight, typed.weight_scale, typed.weight_table, bias, self.group_size)
 
 
 class BitsAndBytes4bitConfig(BitsAndBytesConfig):

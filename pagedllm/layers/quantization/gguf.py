@@ -21,7 +21,13 @@ The 5- and 6-bit types stay 8-bit too, as int8 groups of 16 with a zero point, W
   Q5_0 (22-byte blocks of 32): d, 5-bit q:                            W = d (q - 16): s = d, z = 0
   Q5_1 (24-byte blocks of 32): d, m, 5-bit q:                         W = d q + m
   Q5_K (176-byte blocks of 256): Q4_K's with a fifth bit per value:  W = d sc q - dmin mn
-and so does a fused projection whose parts mix block types (Q4_K_M files keep ``attn_v`` and
+IQ4_NL and IQ4_XS stay 4-bit on the int4 kernel with their 16-value table (``iq4_to_codes``,
+op ``packed_linear_int4_table``, W = table[q] * s with the table llama.cpp's int8 ``kvalues``):
+  IQ4_NL (18-byte blocks of 32): d, 16 bytes of nibbles:          s = d
+  IQ4_XS (136-byte blocks of 256): d, a 6-bit scale ls per 32, 128 bytes of nibbles: s = d (ls - 32)
+exactly the file's weights (the table values are integers, the scales as gguf-py multiplies them);
+in a layer that mixes them with other block types their values (int8 already) join the int8
+groups below. And so does a fused projection whose parts mix block types (Q4_K_M files keep ``attn_v`` and
 some ``ffn_down`` in Q6_K): each part's values and scales as its type has them (a 32-input
 group's scale and zero twice). A layer with a float part (F32, F16, or a type without a kernel
 form) loads dequantized to float32, as without this method. So each linear registers every form,
@@ -56,6 +62,11 @@ Q8_SUFFIXES = ("gguf_q8", "gguf_q8_scale")
 INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
 INT8_SUFFIXES = ("gguf_qz", "gguf_qz_scale", "gguf_qz_zero")
 INT8_GROUP = 16
+# IQ4_NL / IQ4_XS stream as their codes and a scale per 32 inputs, and run with IQ4_TABLE.
+IQ4_TYPES = ("IQ4_NL", "IQ4_XS")
+IQ4_SUFFIXES = ("gguf_iq4", "gguf_iq4_scale")
+IQ4_TABLE = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # llama.cpp's kvalues_iq4nl
+_IQ4 = torch.tensor(IQ4_TABLE, dtype=torch.float32)
 
 
 def q4_to_int4(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -114,6 +125,26 @@ def blocks_to_int8(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray,
     else:
         raise ValueError(f"no int8 form for GGUF type {qtype}")
     return q.astype(np.int8).reshape(rows, -1), _by16(scale.reshape(rows, -1)), _by16(zero.reshape(rows, -1))
+
+
+def iq4_to_codes(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """``raw`` uint8 [rows, row_bytes] of IQ4_NL or IQ4_XS -> (codes uint8 [rows, K] in 0..15,
+    scale float32 [rows, K / 32]) with W = IQ4_TABLE[code] * scale: the file's nibbles (per 16
+    bytes the low nibbles, then the high), its scales as gguf-py computes them."""
+    rows = raw.shape[0]
+    blocks = np.ascontiguousarray(raw)
+    if qtype == "IQ4_NL":
+        blocks = blocks.reshape(-1, 18)
+        return _nibbles(blocks[:, 2:], 16).reshape(rows, -1), _f16(blocks[:, 0:2]).reshape(rows, -1)
+    if qtype != "IQ4_XS":
+        raise ValueError(f"no 4-bit table form for GGUF type {qtype}")
+    blocks = blocks.reshape(-1, 136)
+    d = _f16(blocks[:, 0:2])
+    high = (blocks[:, 2:4].view("<u2") >> np.arange(0, 16, 2, dtype=np.uint16)) & 3  # [B, 8]
+    low = (blocks[:, 4:8, None] >> np.array([0, 4], dtype=np.uint8)) & 15  # [B, 4, 2]: sub-block 2 i + j
+    ls = low.reshape(-1, 8).astype(np.int16) | (high.astype(np.int16) << 4)
+    scale = d[:, None] * (ls - 32).astype(np.float32)
+    return _nibbles(blocks[:, 8:], 16).reshape(rows, -1), scale.reshape(rows, -1)
 
 
 def _by16(per32: np.ndarray) -> np.ndarray:
@@ -177,6 +208,11 @@ def _zero_points(
     return q, np.where(constant, -offset, scale).astype(np.float32), zero, b
 
 
+def _pair(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    first, second = tensors
+    return first, second
+
+
 def _lazy_param(
     layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, loader: WeightLoader, seen: set[Any]
 ) -> None:
@@ -195,9 +231,10 @@ def _lazy_param(
 
 
 class GGUFLinearMethod(Int4KernelMethod):
-    """A linear of a GGUF file: int4 when every part is a 4-bit block type, int8 groups of 32
-    (``int8_groups.GroupedInt8Method``) when every part is Q8_0, int8 groups of 16 with zero
-    points for any other mix of block types, float32 when a part is float."""
+    """A linear of a GGUF file: int4 when every part is a 4-bit block type, the int4 table op when
+    every part is IQ4_NL / IQ4_XS, int8 groups of 32 (``int8_groups.GroupedInt8Method``) when
+    every part is Q8_0, int8 groups of 16 with zero points for any other mix of block types,
+    float32 when a part is float."""
 
     format_name = "gguf"
 
@@ -208,6 +245,7 @@ class GGUFLinearMethod(Int4KernelMethod):
         self.q4_parts: set[Any] = set()
         self.q8_parts: set[Any] = set()
         self.int8_parts: set[Any] = set()
+        self.iq4_parts: set[Any] = set()
         self.converted = False
 
     def create_weights(
@@ -230,12 +268,15 @@ class GGUFLinearMethod(Int4KernelMethod):
             by16 = (n, input_size // INT8_GROUP)
             for name, shape, dtype in zip(INT8_SUFFIXES, (q_shapes[0], by16, by16), (torch.int8, *[torch.float32] * 2)):
                 _lazy_param(layer, name, shape, dtype, weight_loader, self.int8_parts)
+            for name, shape, dtype in zip(IQ4_SUFFIXES, q_shapes, (torch.uint8, torch.float32)):
+                _lazy_param(layer, name, shape, dtype, weight_loader, self.iq4_parts)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.converted:
             return
         parts = list(range(len(self.output_sizes))) if len(self.output_sizes) > 1 else [None]
-        missing = [p for p in parts if p not in self.float_parts | self.q4_parts | self.q8_parts | self.int8_parts]
+        blocks = self.q4_parts | self.q8_parts | self.int8_parts | self.iq4_parts
+        missing = [p for p in parts if p not in self.float_parts | blocks]
         if missing:
             raise ValueError(
                 f"the GGUF file has no tensor for part(s) {missing} of a linear layer with outputs "
@@ -247,16 +288,21 @@ class GGUFLinearMethod(Int4KernelMethod):
                 ("q4", Q4_SUFFIXES, self.q4_parts),
                 ("q8", Q8_SUFFIXES, self.q8_parts),
                 ("int8", INT8_SUFFIXES, self.int8_parts),
+                ("iq4", IQ4_SUFFIXES, self.iq4_parts),
             )
             if filled
         }
-        for name in (*Q4_SUFFIXES, *Q8_SUFFIXES, *INT8_SUFFIXES):
+        for name in (*Q4_SUFFIXES, *Q8_SUFFIXES, *INT8_SUFFIXES, *IQ4_SUFFIXES):
             if hasattr(layer, name):
                 delattr(layer, name)
         self.converted = True
         if not self.float_parts and set(forms) == {"q4"}:
             q, scale, zero, offset = forms["q4"]
             self.finish_int4(layer, q, scale, zero, None, offset=offset)
+            return
+        if not self.float_parts and set(forms) == {"iq4"} and self.finish_int4_table(layer, *_pair(forms["iq4"]), _IQ4):
+            if self.int8_activations:
+                logger.warning("w4a8: a GGUF IQ4 linear runs its code table with float activations")
             return
         method: LinearMethodBase
         if forms and not self.float_parts and int8_groups.can_store(next(iter(forms.values()))[0]):
@@ -269,7 +315,6 @@ class GGUFLinearMethod(Int4KernelMethod):
             cast(Any, layer).quant_method = method
         else:  # a float part (or no kernel for the blocks): all float
             if forms:
-                blocks = self.q4_parts | self.q8_parts | self.int8_parts
                 self._fill_float(layer, int8_groups.dequantize_groups(*self._int8_form(forms)), blocks)
             method = UnquantizedLinearMethod()
             cast(Any, layer).quant_method = method
@@ -288,10 +333,13 @@ class GGUFLinearMethod(Int4KernelMethod):
         rows, k = next(iter(forms.values()))[0].shape
         q = torch.zeros(rows, k, dtype=torch.int8)
         scale, zero = (torch.zeros(rows, k // INT8_GROUP) for _ in range(2))
-        for kind, parts in (("q4", self.q4_parts), ("q8", self.q8_parts), ("int8", self.int8_parts)):
+        kinds = (("q4", self.q4_parts), ("q8", self.q8_parts), ("int8", self.int8_parts), ("iq4", self.iq4_parts))
+        for kind, parts in kinds:
             if kind not in forms:
                 continue
             values = forms[kind]
+            if kind == "iq4":  # the table's values are int8 already: (codes, scale) -> (values, scale, 0)
+                values = [_IQ4.to(torch.int8)[values[0].long()], values[1], torch.zeros_like(values[1])]
             kind_zero = values[2] if kind != "q8" else torch.zeros_like(values[1])
             repeat = 1 if kind == "int8" else GROUP // INT8_GROUP  # a group of 32's scale for each half
             for start, end in self._rows_of(parts):
@@ -321,15 +369,16 @@ class GGUFLinearMethod(Int4KernelMethod):
 class GGUFHeadMethod(GGUFLinearMethod):
     """A GGUF file's LM head stored block-quantized (``output``, or ``token_embd`` when the model
     ties them): from the file's blocks as a linear's are (Q4_0 / Q4_1 / Q4_K on the int4 kernel,
-    Q8_0 in int8 groups of 32, Q5_0 / Q5_1 / Q5_K / Q6_K in int8 groups of 16 with zero points),
-    so the logits are the file's weights' and not a requantization's; a type without such a form
-    (Q2_K, Q3_K, the IQ types) arrives dequantized and is held in int8 groups of 32
-    (``GroupedInt8HeadMethod``). Float activations always (w4a8 too)."""
+    IQ4_NL / IQ4_XS on its table op, Q8_0 in int8 groups of 32, Q5_0 / Q5_1 / Q5_K / Q6_K in int8
+    groups of 16 with zero points), so the logits are the file's weights' and not a
+    requantization's; a type without such a form (Q2_K, Q3_K, the other IQ types) arrives
+    dequantized and is held in int8 groups of 32 (``GroupedInt8HeadMethod``). Float activations
+    always (w4a8 too)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         if self.converted:
             return
-        if not self.q4_parts | self.q8_parts | self.int8_parts:
+        if not self.q4_parts | self.q8_parts | self.int8_parts | self.iq4_parts:
             self.converted = True
             method = GroupedInt8HeadMethod()
             cast(Any, layer).quant_method = method
@@ -372,6 +421,8 @@ def block_parts(hf_name: str, qtype: str, raw: Callable[[], np.ndarray]) -> list
         return list(zip(Q8_SUFFIXES, q8_to_int8(raw())))
     if qtype in INT8_TYPES:
         return list(zip(INT8_SUFFIXES, blocks_to_int8(raw(), qtype)))
+    if qtype in IQ4_TYPES:
+        return list(zip(IQ4_SUFFIXES, iq4_to_codes(raw(), qtype)))
     return None
 
 

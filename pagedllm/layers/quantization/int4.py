@@ -76,6 +76,15 @@ def load_int4_gemm() -> LinearInt4 | None:
 
 
 @lru_cache(maxsize=1)
+def load_int4_table_gemm() -> LinearInt4 | None:
+    """``packed_linear_int4_table(x, packed, scale, table, bias, group_size)`` (codes looked up in a
+    16-value table, W = table[q] * s: bitsandbytes NF4 / FP4, GGUF IQ4) of the selected build, or
+    None when the CPU kernels are disabled or the build failed."""
+    ops = cpu_ops()
+    return None if ops is None else ops.packed_linear_int4_table.default
+
+
+@lru_cache(maxsize=1)
 def load_w4a8_gemm() -> LinearInt4 | None:
     """``packed_linear_w4a8(x, packed, scale, zero, bias, group_size)`` (the same weights, int8
     activations: ``w4a8.py``) of the selected build, or None when the kernels are disabled or failed."""
@@ -116,6 +125,12 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torc
     return (q.float() - zero.repeat_interleave(group, dim=1)) * scale.repeat_interleave(group, dim=1)
 
 
+def dequantize_table(q: torch.Tensor, scale: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """table[q] * scale as float32 [N, K] (a code-table layer's weights)."""
+    group = q.shape[1] // scale.shape[1]
+    return table.to(q.device).float()[q.long()] * scale.float().repeat_interleave(group, dim=1)
+
+
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] (0..15, K % 8 == 0) -> the kernel's [N / 16, K, 8] uint8: per output, blocks of 8
     inputs as one little-endian 32-bit word (input 8 b + i in bits 4i..4i+3), the words [N, K / 8]
@@ -153,6 +168,7 @@ class _Int4Layer(Protocol):
     weight_scale: torch.Tensor
     weight_zero: torch.Tensor | None
     weight_perm: torch.Tensor | None
+    weight_table: torch.Tensor  # codes looked up in a table (finish_int4_table) only
     quant_method: LinearMethodBase
 
 
@@ -173,6 +189,8 @@ class Int4KernelMethod(LinearMethodBase):
         self._kernel: LinearInt4 = _not_loaded_yet
         # The CPU layer's weight_zero holds offsets b (W = q * s + b) instead of zero points.
         self.zero_offset = False
+        # The codes index the layer's weight_table (finish_int4_table): W = table[q] * s, no zero.
+        self.code_table = False
 
     def finish_int4(
         self,
@@ -202,6 +220,21 @@ class Int4KernelMethod(LinearMethodBase):
             zero, self.zero_offset = offset, True  # the offsets, not the zero points, fit float16
         self._store(layer, pack_int4(q), *pack_group_params(scale, zero), perm)
         self._kernel = partial(kernel, offset=True) if self.zero_offset else kernel
+
+    def finish_int4_table(self, layer: nn.Module, q: torch.Tensor, scale: torch.Tensor, table: torch.Tensor) -> bool:
+        """Store codes q [N, K] (0..15) of a 16-value ``table`` with scales [N, K / G], W =
+        table[q] * s, for the CPU table op; False (nothing stored) where it cannot run them (not
+        CPU, no kernel build, out_features % 16, G not a multiple of 8): the caller decides the
+        fallback (``dequantize_table``)."""
+        self.group_size = q.shape[1] // scale.shape[1]
+        kernel = load_int4_table_gemm() if q.device.type == "cpu" else None
+        if kernel is None or q.shape[0] % PANEL or self.group_size % _BLOCK_STEPS:
+            return False
+        packed_scale, _ = pack_group_params(scale)
+        self._store(layer, pack_int4(q), packed_scale, None, None)
+        layer.register_buffer("weight_table", table.float().contiguous(), persistent=False)
+        self._kernel, self.code_table = kernel, True
+        return True
 
     def cpu_kernel(self) -> LinearInt4 | None:
         """The CPU op that runs the packed int4 weights (None: not built)."""
@@ -241,7 +274,8 @@ class Int4KernelMethod(LinearMethodBase):
         typed = cast(_Int4Layer, layer)
         if typed.weight_perm is not None:
             x = x.index_select(-1, typed.weight_perm)
-        return self._kernel(x, typed.weight, typed.weight_scale, typed.weight_zero, bias, self.group_size)
+        second = typed.weight_table if self.code_table else typed.weight_zero
+        return self._kernel(x, typed.weight, typed.weight_scale, second, bias, self.group_size)
 
 
 class Int4LinearMethod(Int4KernelMethod, QuantizesOnLoad):
