@@ -192,3 +192,48 @@ def test_a_scale_of_the_wrong_shape_names_the_tensor(quantized, tmp_path) -> Non
         LLM(str(bad), kv_cache_memory=0.05)
     config = json.loads((bad / "config.json").read_text())
     assert config["quantization_config"]["quant_method"] == "fp8"
+
+
+@pytest.mark.parametrize(("kind", "double_quant"), [("nf4", True), ("fp4", False)])
+def test_transformers_own_4bit_checkpoint_stays_4bit_with_its_greedy_tokens(
+    kind: str, double_quant: bool, llama_model_dir: Path, tmp_path: Path
+) -> None:
+    """A checkpoint as transformers writes it (``BitsAndBytesConfig`` quantizing at load on CPU,
+    then ``save_pretrained``: its key names, quant-state JSON and config fields) loads its
+    linears 4-bit, with transformers' greedy tokens on the same layers dequantized by bitsandbytes."""
+    functional = pytest.importorskip("bitsandbytes.functional")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=kind,
+        bnb_4bit_use_double_quant=double_quant,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    quantized = AutoModelForCausalLM.from_pretrained(
+        llama_model_dir, quantization_config=config, device_map="cpu", dtype=torch.float32
+    )
+    out = tmp_path / f"bnb-{kind}"
+    quantized.save_pretrained(out)
+    for f in llama_model_dir.iterdir():
+        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens")):
+            (out / f.name).write_bytes(f.read_bytes())
+    reference = AutoModelForCausalLM.from_pretrained(llama_model_dir, dtype=torch.float32)
+    state = reference.state_dict()
+    for name, module in quantized.named_modules():
+        if type(module).__name__ == "Linear4bit":
+            state[f"{name}.weight"] = functional.dequantize_4bit(module.weight.data, module.weight.quant_state).float()
+    reference.load_state_dict(state)
+    llm = LLM(str(out), kv_cache_memory=0.05)
+    layer = llm.llm_engine.engine_core.executor.worker.model_runner.model.model.layers[0].self_attn.qkv_proj
+    if load_int4_table_gemm() is not None:
+        assert isinstance(layer.quant_method, CodebookInt4Method) and layer.weight.dtype == torch.uint8
+    params = SamplingParams(temperature=0, max_tokens=TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    for prompt, got in zip(PROMPTS, outs):
+        ids = torch.tensor([prompt])  # an explicit mask: the tiny model's pad id may occur in a prompt
+        want = reference.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False
+        )
+        assert list(got.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    assert_idle_and_intact(llm)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from functools import lru_cache
 from typing import Any, cast
 
 import numpy as np
@@ -208,6 +209,11 @@ def _zero_points(
     return q, np.where(constant, -offset, scale).astype(np.float32), zero, b
 
 
+@lru_cache(maxsize=1)
+def _warn_iq4_float_activations() -> None:  # once a process, not once a linear
+    logger.warning("w4a8: the GGUF file's IQ4_NL / IQ4_XS linears run their code table with float activations")
+
+
 def _pair(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     first, second = tensors
     return first, second
@@ -302,7 +308,7 @@ class GGUFLinearMethod(Int4KernelMethod):
             return
         if not self.float_parts and set(forms) == {"iq4"} and self.finish_int4_table(layer, *_pair(forms["iq4"]), _IQ4):
             if self.int8_activations:
-                logger.warning("w4a8: a GGUF IQ4 linear runs its code table with float activations")
+                _warn_iq4_float_activations()
             return
         method: LinearMethodBase
         if forms and not self.float_parts and int8_groups.can_store(next(iter(forms.values()))[0]):
