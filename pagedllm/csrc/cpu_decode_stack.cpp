@@ -80,6 +80,8 @@ struct Layers {
   at::TensorList input_norm, post_norm, kv_cache, linears;
   const std::vector<std::optional<at::Tensor>>& scales;
   const std::vector<std::optional<at::Tensor>>& comps;
+  // Per linear: the input permutation of GPTQ's act-order groups (x[..., perm] is multiplied), or none.
+  const std::vector<std::optional<at::Tensor>>& perms;
   const std::vector<std::optional<at::Tensor>>& qkv_bias;
   const std::vector<int64_t>& windows;
   const std::vector<Method>& methods;  // per linear: a GGUF file's layers may mix block types
@@ -102,7 +104,9 @@ struct Layers {
     return y;
   }
 
-  at::Tensor gemm(size_t at, const at::Tensor& x, const std::optional<at::Tensor>& bias) const {
+  at::Tensor gemm(size_t at, const at::Tensor& input, const std::optional<at::Tensor>& bias) const {
+    // The inputs in the order the packed groups hold them, as Int4KernelMethod.apply gathers them.
+    const at::Tensor x = perms[at].has_value() ? input.index_select(-1, *perms[at]) : input;
     switch (methods[at]) {
       case Method::kInt8:
         return packed_linear_int8(x, linears[at], *scales[at], bias);
@@ -178,7 +182,7 @@ void decoder_layer(at::Tensor& hidden, at::Tensor& residual, const Layers& w, si
 at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList input_norm,
                          at::TensorList post_norm, at::TensorList linears,
                          std::vector<std::optional<at::Tensor>> scales, std::vector<std::optional<at::Tensor>> comps,
-                         std::vector<std::optional<at::Tensor>> qkv_bias, std::vector<int64_t> methods,
+                         std::vector<std::optional<at::Tensor>> perms, std::vector<std::optional<at::Tensor>> qkv_bias, std::vector<int64_t> methods,
                          int64_t w8a8_path,
                          at::TensorList kv_cache, std::vector<int64_t> windows, at::Tensor final_norm,
                          at::Tensor cos_sin_cache, at::Tensor slot_mapping, at::Tensor block_table,
@@ -189,7 +193,7 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
                          int64_t tp_size, int64_t shm_slot_bytes, double shm_timeout_s) {
   const size_t n = input_norm.size();
   TORCH_CHECK(post_norm.size() == n && qkv_bias.size() == n && kv_cache.size() == n && windows.size() == n &&
-                  linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n,
+                  linears.size() == 4 * n && scales.size() == 4 * n && comps.size() == 4 * n && perms.size() == 4 * n,
               "decode_stack_: every per-layer list needs one entry per layer (", n, "), the linears four");
   TORCH_CHECK(methods.size() == 4 * n, "decode_stack_: one method per linear");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(), "decode_stack_: hidden must be a contiguous [T, H]");
@@ -209,7 +213,7 @@ at::Tensor decode_stack_(at::Tensor hidden, at::Tensor positions, at::TensorList
   }
   std::optional<ShmGroup> tp;
   if (tp_size > 1) tp = ShmGroup{*shm_segment, *shm_state, tp_rank, tp_size, shm_slot_bytes, shm_timeout_s};
-  const Layers w{input_norm, post_norm, kv_cache, linears,  scales,    comps,     qkv_bias,
+  const Layers w{input_norm, post_norm, kv_cache, linears,  scales,    comps,     perms,     qkv_bias,
                  windows,    ms,        w8a8_path, lora_a, lora_b, lora_slots, max_loras, max_rank,
                  tp ? &*tp : nullptr};
   at::Tensor residual;
@@ -240,7 +244,8 @@ at::Tensor decode_stack_phases(bool on) {
 
 TORCH_LIBRARY_FRAGMENT(PAGEDLLM_OPS, m) {
   m.def("decode_stack_(Tensor(a!) hidden, Tensor positions, Tensor[] input_norm, Tensor[] post_norm, "
-        "Tensor[] linears, Tensor?[] scales, Tensor?[] comps, Tensor?[] qkv_bias, int[] methods, int w8a8_path, "
+        "Tensor[] linears, Tensor?[] scales, Tensor?[] comps, Tensor?[] perms, Tensor?[] qkv_bias, int[] methods, "
+        "int w8a8_path, "
         "Tensor(b!)[] kv_cache, int[] windows, Tensor final_norm, Tensor cos_sin_cache, Tensor slot_mapping, "
         "Tensor block_table, Tensor seq_lens, int heads, int kv_heads, int head_dim, float scale, float eps, "
         "Tensor[] lora_a, Tensor[] lora_b, Tensor? lora_slots, int max_loras, int max_rank, Tensor(c!)? shm_segment, "

@@ -7,7 +7,7 @@ result is bitwise the modules'; it only replaces the Python between them.
 
 It applies when everything the modules would do on the step is what the op does: CPU float32
 with the kernels built; every linear of the layers in a method the op runs, packed fp32,
-``int8``, ``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ without act-order, GGUF's 4-bit),
+``int8``, ``w8a8``, the int4 kernel (``int4``, AWQ, GPTQ, GGUF's 4-bit; act-order GPTQ with its input permutation),
 ``w4a8``, int8 groups (GGUF's other block types) or int4 codes in a table (bitsandbytes NF4 /
 FP4), each linear its own (a bias only
 on qkv); one rank, or tensor-parallel ranks joined by the shared-memory
@@ -56,6 +56,7 @@ class DecodeStack:
     linears: list[torch.Tensor]  # 4 per layer: qkv, o, gate_up, down
     scales: list[torch.Tensor | None]  # each linear's weight_scale (int8, w8a8, int4)
     comps: list[torch.Tensor | None]  # each linear's weight_comp (w8a8), weight_zero (int4) or weight_table
+    perms: list[torch.Tensor | None]  # each int4 linear's weight_perm (GPTQ act-order: x[..., perm] is multiplied)
     qkv_bias: list[torch.Tensor | None]
     # Per linear: 0 packed fp32, 1 int8, 2 w8a8, 3 int4, 4 w4a8, 5 int8 groups, 6 / 7 int4 / w4a8 with
     # offsets, 8 int4 codes in a table (csrc/cpu_decode_stack.cpp's Method); a GGUF file's layers may
@@ -95,6 +96,7 @@ class DecodeStack:
             self.linears,
             self.scales,
             self.comps,
+            self.perms,
             self.qkv_bias,
             self.methods,
             0,  # w8a8 path: the best this build compiled, as W8A8LinearMethod.apply uses
@@ -201,6 +203,7 @@ def build_decode_stack(model: Any, attention_cls: Any, mlp_cls: type[nn.Module])
         linears=[lin.weight for lin in linears],
         scales=[getattr(lin, "weight_scale", None) if method else None for lin, method in zip(linears, methods)],
         comps=[_comp(lin, method) for lin, method in zip(linears, methods)],
+        perms=[_perm(lin) for lin in linears],
         qkv_bias=[la.self_attn.qkv_proj.bias for la in layers],
         methods=methods,
         kv_cache=[la.self_attn.attn.kv_cache for la in layers],
@@ -271,6 +274,13 @@ def _comp(linear: Any, method: int) -> torch.Tensor | None:
     return zero if method in (_INT4, _W4A8, _INT8_GROUPS, _INT4_OFFSET, _W4A8_OFFSET) else None
 
 
+def _perm(linear: Any) -> torch.Tensor | None:
+    """The input permutation an int4 linear's apply gathers x by (GPTQ act-order), else None."""
+    if isinstance(getattr(linear, "quant_method", None), Int4KernelMethod):
+        return cast(torch.Tensor | None, linear.weight_perm)
+    return None
+
+
 def _method(linear: Any) -> int | None:
     """The op's method code for the layer's weights, or None when the op cannot apply it."""
     method = getattr(linear, "quant_method", None)
@@ -282,14 +292,14 @@ def _method(linear: Any) -> int | None:
         return _W8A8 if method.quantized else None
     if isinstance(method, Int8LinearMethod):
         return _INT8 if method.quantized else None
-    if isinstance(method, Int4KernelMethod):  # packed (not fallen back), no act-order input permutation
+    if isinstance(method, Int4KernelMethod):  # packed (not fallen back); an act-order permutation goes along
         if method.code_table:  # codes in a table (bitsandbytes NF4 / FP4, GGUF IQ4)
             code = _INT4_TABLE
         elif method.zero_offset:  # its zero tensor holds offsets (GGUF Q4_1's m)
             code = _W4A8_OFFSET if method.int8_activations else _INT4_OFFSET
         else:
             code = _W4A8 if method.int8_activations else _INT4
-        return code if linear.weight.dtype == torch.uint8 and linear.weight_perm is None else None
+        return code if linear.weight.dtype == torch.uint8 else None
     return None
 
 

@@ -180,6 +180,9 @@ def test_greedy_tokens_match_transformers_on_the_dequantized_float_model(llama_m
     for prompt, out in zip(PROMPTS, outs):
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False)
         assert list(out.outputs[0].token_ids) == want[0, len(prompt) :].tolist()
+    stack = model.model.decode_stack()
+    if stack is not None and kw.get("desc_act"):  # the C++ decode stack gathers act-order inputs itself
+        assert all(p is not None for p in stack.perms)
 
 
 # --- bad configs: clear ValueErrors -------------------------------------------------------------
