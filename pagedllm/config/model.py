@@ -105,7 +105,8 @@ class ModelArgs:
         "here is optional): awq / gptq, compressed-tensors W4A16 and bitsandbytes NF4 / FP4 (with its code "
         "table) run on the int4 kernel; fp8, 8-bit compressed-tensors and bitsandbytes 8-bit load onto the "
         "int8 layers. A GGUF file loads as gguf by default on CPU (its Q4_0 / Q4_1 / Q4_K and IQ4_NL / IQ4_XS "
-        "linears on the int4 kernel, Q8_0 / Q5 / Q6_K linears and layers mixing block types as int8 groups, "
+        "linears on the int4 kernel, Q8_0 / Q2_K / Q3_K / Q5 / Q6_K linears and layers mixing block types as "
+        "int8 groups, "
         "the other tensors float32); none: dequantize it all to float",
         choices=("none", *QUANTIZATION_METHODS),
         default_help="off",

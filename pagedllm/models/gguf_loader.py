@@ -66,8 +66,8 @@ def iterate_gguf(
     ``keep_blocks``: a linear's (and the LM head's, also when it is the embedding's table) Q4_0 /
     Q4_1 / Q4_K weight comes as its int4 parts instead
     (``layers/quantization/gguf.py``: ``...q_proj.gguf_q``, ``.gguf_scale``, ``.gguf_zero``), a
-    Q8_0 one as its int8 values and block scales (``.gguf_q8``, ``.gguf_q8_scale``), a Q5_0 /
-    Q5_1 / Q5_K / Q6_K one as int8 groups of 16 (``.gguf_qz``, ``.gguf_qz_scale``, ``.gguf_qz_zero``),
+    Q8_0 one as its int8 values and block scales (``.gguf_q8``, ``.gguf_q8_scale``), a Q2_K /
+    Q3_K / Q5_0 / Q5_1 / Q5_K / Q6_K one as int8 groups of 16 (``.gguf_qz``, ``.gguf_qz_scale``, ``.gguf_qz_zero``),
     and an IQ4_NL / IQ4_XS one as its codes and scales (``.gguf_iq4``, ``.gguf_iq4_scale``)."""
     return _dequantized(header or read_metadata(path), path, arch, keep, keep_blocks)
 

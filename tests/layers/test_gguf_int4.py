@@ -87,6 +87,8 @@ def _random_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
         "Q4_K": (144, (0, 2)),
         "Q5_K": (176, (0, 2)),
         "Q6_K": (210, (208,)),
+        "Q3_K": (110, (108,)),
+        "Q2_K": (84, (80, 82)),
         "IQ4_NL": (18, (0,)),
         "IQ4_XS": (136, (0,)),
     }[qtype]
@@ -99,8 +101,8 @@ def _random_blocks(qtype: str, rows: int, cols: int, seed: int) -> np.ndarray:
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
-def test_5_and_6_bit_types_repack_to_int8_groups_of_16(qtype: str) -> None:
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K"])
+def test_2_3_5_and_6_bit_types_repack_to_int8_groups_of_16(qtype: str) -> None:
     if qtype.endswith("_K"):
         raw = _random_blocks(qtype, 8, 512, seed=3)
     else:
@@ -109,7 +111,7 @@ def test_5_and_6_bit_types_repack_to_int8_groups_of_16(qtype: str) -> None:
     q, scale, zero = blocks_to_int8(raw, qtype)
     assert q.dtype == np.int8 and scale.shape == zero.shape == (8, 512 // 16)
     got = int8_groups.dequantize_groups(torch.from_numpy(q), torch.from_numpy(scale), torch.from_numpy(zero)).numpy()
-    if qtype in ("Q5_0", "Q6_K"):  # symmetric: the file's integers times its scales, bitwise
+    if qtype in ("Q5_0", "Q6_K", "Q3_K"):  # symmetric: the file's integers times its scales, bitwise
         assert np.array_equal(got, want) and not zero.any()
     else:  # an offset: the zero point is offset / scale (float rounding)
         np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
@@ -135,6 +137,8 @@ def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinea
     params = dict(layer.named_parameters())
     reference = []
     qtypes = {
+        "q3k": "Q3_K",
+        "q2k": "Q2_K",
         "q4": "Q4_0",
         "q41": "Q4_1",
         "q8": "Q8_0",
@@ -151,7 +155,7 @@ def _layer(parts: list[str], x: torch.Tensor) -> tuple[MergedColumnParallelLinea
         qtype = qtypes[kind]
         raw = (
             _random_blocks(qtype, 32, 256, shard)
-            if qtype in ("Q6_K", "IQ4_NL", "IQ4_XS")
+            if qtype in ("Q6_K", "Q3_K", "Q2_K", "IQ4_NL", "IQ4_XS")
             else gguf_quantize(w, GGMLQuantizationType[qtype])
         )
         if kind in ("q4", "q41"):
@@ -195,6 +199,8 @@ def test_a_layer_of_4bit_parts_runs_the_int4_kernel_and_mixed_parts_run_float() 
         (["q4", "q6k"], 16, True),  # a Q4_K_M-like qkv: 4-bit parts with a Q6_K part
         (["q8", "q4"], 16, True),
         (["q5", "q8"], 16, True),
+        (["q3k", "q3k"], 16, False),  # Q3_K: its 3-bit values and 6-bit scales, symmetric
+        (["q2k", "q3k"], 16, True),  # Q2_K's offsets: zero points (a Q2_K file mixes the two)
     ],
 )
 def test_block_types_other_than_4bit_stay_int8_groups(parts: list[str], group: int, zero: bool) -> None:

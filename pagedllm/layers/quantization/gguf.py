@@ -15,12 +15,14 @@ and in float16, 5 bits a weight instead of 6 with float32 zero points.
 
 Q8_0 linears (W = d q, q int8 per 32 inputs) stay 8-bit the same way: their int8 values and
 block scales (``q8_to_int8``, exact) on the group-wise int8 op (``int8_groups.GroupedInt8Method``).
-The 5- and 6-bit types stay 8-bit too, as int8 groups of 16 with a zero point, W = (q - z) * s
+The 2-, 3-, 5- and 6-bit types stay 8-bit too, as int8 groups of 16 with a zero point, W = (q - z) * s
 (``blocks_to_int8``; 12 bits a weight instead of float32's 32):
   Q6_K (210-byte blocks of 256): 6-bit q - 32, an int8 scale per 16, d:  s = d sc, z = 0 (exact)
   Q5_0 (22-byte blocks of 32): d, 5-bit q:                            W = d (q - 16): s = d, z = 0
   Q5_1 (24-byte blocks of 32): d, m, 5-bit q:                         W = d q + m
   Q5_K (176-byte blocks of 256): Q4_K's with a fifth bit per value:  W = d sc q - dmin mn
+  Q3_K (110-byte blocks of 256): q in -4..3, a 6-bit scale - 32 per 16, d: s = d sc, z = 0 (exact)
+  Q2_K (84-byte blocks of 256): q in 0..3, 4-bit sc and mn per 16, d, dmin: W = d sc q - dmin mn
 IQ4_NL and IQ4_XS stay 4-bit on the int4 kernel with their 16-value table (``iq4_to_codes``,
 op ``packed_linear_int4_table``, W = table[q] * s with the table llama.cpp's int8 ``kvalues``):
   IQ4_NL (18-byte blocks of 32): d, 16 bytes of nibbles:          s = d
@@ -60,7 +62,7 @@ Q4_SUFFIXES = ("gguf_q", "gguf_scale", "gguf_zero", "gguf_offset")
 # Q8_0 linears stream as their int8 values and block scales and stay int8 (``int8_groups``).
 Q8_SUFFIXES = ("gguf_q8", "gguf_q8_scale")
 # The 5- and 6-bit types stream as int8 groups of 16 with a zero point (``blocks_to_int8``).
-INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K")
+INT8_TYPES = ("Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q3_K", "Q2_K")
 INT8_SUFFIXES = ("gguf_qz", "gguf_qz_scale", "gguf_qz_zero")
 INT8_GROUP = 16
 # IQ4_NL / IQ4_XS stream as their codes and a scale per 32 inputs, and run with IQ4_TABLE.
@@ -105,6 +107,19 @@ def blocks_to_int8(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray,
         q = (_q6_k_values(blocks) - 32).astype(np.int8)
         scale = _f16(blocks[:, 208:210])[:, None] * blocks[:, 192:208].view(np.int8).astype(np.float32)
         return q.reshape(rows, -1), scale.reshape(rows, -1), np.zeros((rows, scale.size // rows), dtype=np.float32)
+    if qtype == "Q3_K":  # 110-byte blocks of 256: W = d (sc - 32) q, q in -4..3, a 6-bit sc per 16
+        blocks = np.ascontiguousarray(raw).reshape(-1, 110)
+        q, sc = _q3_k_values(blocks)
+        scale = _f16(blocks[:, 108:110])[:, None] * sc.astype(np.float32)
+        return q.reshape(rows, -1), scale.reshape(rows, -1), np.zeros((rows, scale.size // rows), dtype=np.float32)
+    if qtype == "Q2_K":  # 84-byte blocks of 256: W = d sc q - dmin mn, q in 0..3, 4-bit sc and mn per 16
+        blocks = np.ascontiguousarray(raw).reshape(-1, 84)
+        d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
+        sc = (blocks[:, 0:16] & 15).astype(np.float32)
+        q2 = (blocks[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        scale, offset = d[:, None] * sc, dmin[:, None] * (blocks[:, 0:16] >> 4).astype(np.float32)
+        q, scale, zero, _ = _zero_points(q2.reshape(-1, INT8_GROUP), scale.reshape(-1), offset.reshape(-1))
+        return q.astype(np.int8).reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
     if qtype == "Q5_0":
         blocks = np.ascontiguousarray(raw).reshape(-1, 22)
         q = (_q5_values(blocks[:, 2:6], blocks[:, 6:22]).astype(np.int16) - 16).astype(np.int8)
@@ -160,6 +175,20 @@ def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
     low = _nibbles(blocks[:, 0:128], 64)
     high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     return low | (high.reshape(-1, 256) << np.uint8(4))
+
+
+def _q3_k_values(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q3_K blocks [B, 110] -> (values int8 [B, 256] in -4..3, scales - 32 as int8 [B, 16]): per
+    half of 128, 2 bits of a 32-byte run at shifts 0, 2, 4, 6, with a high bit from the 32-byte
+    mask (bit j for the j-th run of 32) that, clear, subtracts 4; the 6-bit scales as 12 bytes
+    (low nibbles of bytes 0-7, then 2 bits each from bytes 8-11)."""
+    low = (blocks[:, 32:96].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    high = (blocks[:, 0:32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    q = low.reshape(-1, 256).astype(np.int8) - ((high.reshape(-1, 256) ^ 1) << 2).astype(np.int8)
+    lscales = (blocks[:, 96:104].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)) & 15
+    hscales = (blocks[:, 104:108].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
+    sc = lscales.reshape(-1, 16) | (hscales.reshape(-1, 16) << np.uint8(4))
+    return q, sc.astype(np.int8) - np.int8(32)
 
 
 def _q5_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
@@ -375,9 +404,9 @@ class GGUFLinearMethod(Int4KernelMethod):
 class GGUFHeadMethod(GGUFLinearMethod):
     """A GGUF file's LM head stored block-quantized (``output``, or ``token_embd`` when the model
     ties them): from the file's blocks as a linear's are (Q4_0 / Q4_1 / Q4_K on the int4 kernel,
-    IQ4_NL / IQ4_XS on its table op, Q8_0 in int8 groups of 32, Q5_0 / Q5_1 / Q5_K / Q6_K in int8
+    IQ4_NL / IQ4_XS on its table op, Q8_0 in int8 groups of 32, Q2_K / Q3_K / Q5_* / Q6_K in int8
     groups of 16 with zero points), so the logits are the file's weights' and not a
-    requantization's; a type without such a form (Q2_K, Q3_K, the other IQ types) arrives
+    requantization's; a type without such a form (the other IQ types, TQ) arrives
     dequantized and is held in int8 groups of 32 (``GroupedInt8HeadMethod``). Float activations
     always (w4a8 too)."""
 
