@@ -19,6 +19,7 @@ from pagedllm.layers.quantization import get_quantization_config
 from pagedllm.layers.quantization.bitsandbytes import CodebookInt4Method, dequantize_4bit
 from pagedllm.layers.quantization.int4 import load_int4_table_gemm
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, load_int8_gemm
+from pagedllm.layers.quantization.int8_groups import GroupedInt8Method
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod, quantize_per_token, unpack_w8a8
 from tests import quant_checkpoints as qc
 
@@ -49,15 +50,16 @@ FORMATS = {
     # Not exact: W8A8's kernel takes the -128 codes as -127 (test_w8a8_keeps_the_checkpoint_codes).
     "ct-w8a8": (ct("int-quantized", INT_CHANNEL, W8A8), qc.int8_channel(), False),
     "ct-w8a16-packed": (ct("pack-quantized", INT_CHANNEL), qc.int8_channel(packed=True), True),
+    # Exact: int8 groups with zero points as stored (PrequantizedGroupedMethod).
     "ct-w8a16-packed-asym": (
         ct("pack-quantized", {"type": "int", "strategy": "group", "group_size": 16, "symmetric": False}),
         qc.int8_channel(symmetric=False, group_size=16, packed=True),
-        False,
+        True,
     ),
     "ct-w8a16-group-asym": (
         ct("naive-quantized", {"type": "int", "strategy": "group", "group_size": 16, "symmetric": False}),
         qc.int8_channel(symmetric=False, group_size=16),
-        False,
+        True,
     ),
     "ct-fp8-channel": (
         ct("float-quantized", {"type": "float", "strategy": "channel"}),
@@ -104,7 +106,7 @@ def test_fused_qkv_layer_matches_the_exact_dequantized_weights(fmt: str) -> None
     _check(layer, w, exact)
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "ct-w8a8", "bnb-nf4-nested"])
+@pytest.mark.parametrize("fmt", ["fp8-block", "ct-w8a8", "bnb-nf4-nested", "ct-w8a16-group-asym"])
 def test_row_parallel_layer_with_odd_sizes(fmt: str) -> None:
     """48 inputs: blocks and 4-bit bytes that do not divide the rows evenly."""
     quant_config, pack, exact = FORMATS[fmt]
@@ -118,7 +120,7 @@ def _check(layer, w: np.ndarray, exact: bool) -> None:
     if isinstance(layer.quant_method, CodebookInt4Method):  # 4-bit codes on the int4 kernel
         assert layer.weight.dtype == torch.uint8
     elif load_int8_gemm() is not None:  # with the kernels built, the layer runs int8 (no float fallback)
-        assert isinstance(layer.quant_method, (Int8LinearMethod, W8A8LinearMethod))
+        assert isinstance(layer.quant_method, (Int8LinearMethod, W8A8LinearMethod, GroupedInt8Method))
         assert layer.weight.dtype == torch.int8
     x = torch.randn(5, w.shape[1], generator=torch.Generator().manual_seed(2))
     got = layer(x)
@@ -164,10 +166,10 @@ def test_4bit_dequantize_matches_bitsandbytes(kind: str, nested: bool) -> None:
 
 
 def test_a_layer_the_checkpoint_left_float_is_quantized_on_arrival_and_the_head_stays_float() -> None:
-    """A linear in the ignore list arrives float: per-channel int8 like --quantization int8. A
-    quantized LM head (not in the ignore list) is widened back to float32."""
+    """A linear in the ignore list arrives float: in the layers' int8 groups (FP8's: of 32, as the
+    requantized FP8 layers are). A quantized LM head (not in the ignore list) is widened back to float32."""
     from pagedllm.layers.embedding import ParallelLMHead
-    from pagedllm.layers.quantization.int8 import quantize_per_channel
+    from pagedllm.layers.quantization.int8_groups import dequantize_groups, quantize_groups
 
     quant_config, pack, _ = FORMATS["fp8-block"]
     config = get_quantization_config("fp8", quant_config)
@@ -177,9 +179,9 @@ def test_a_layer_the_checkpoint_left_float_is_quantized_on_arrival_and_the_head_
     assert name == "m.weight" and tensor is w and not rest  # passed through untouched
     layer.weight.weight_loader(layer.weight, tensor)
     layer.quant_method.process_weights_after_loading(layer)
-    q, scale = quantize_per_channel(w)
+    assert isinstance(layer.quant_method, GroupedInt8Method) and layer.quant_method.group_size == 32
     x = torch.randn(3, 96)
-    torch.testing.assert_close(layer(x), x @ (q.float() * scale[:, None]).T, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(layer(x), x @ dequantize_groups(*quantize_groups(w, 32)).T, rtol=1e-4, atol=1e-4)
 
     head = ParallelLMHead(48, 96, quant_config=config)
     stored, deq = pack(torch.randn(48, 96) / 8)
@@ -264,3 +266,33 @@ def test_4bit_fused_layer_quantizes_a_float_shard_to_the_table() -> None:
     k_w = (torch.tensor(NF4_TABLE)[codes.long()] * scale).numpy()
     assert np.abs(k_w - weights["k"].numpy()).max() <= 0.2 * np.abs(weights["k"].numpy()).max()
     _check(layer, np.concatenate([packed["q"][1], k_w, packed["v"][1]]), exact=True)
+
+
+@pytest.mark.parametrize("fmt", ["ct-w8a16-group-asym", "fp8-block"])
+def test_grouped_layers_fall_back_where_the_group_op_cannot_take_them(fmt: str) -> None:
+    """40 outputs (not a multiple of the kernels' 16): the groups dequantized and requantized per
+    channel, then float32 as int8 is here; within the per-channel bound."""
+    quant_config, pack, _ = FORMATS[fmt]
+    config = get_quantization_config(quant_config["quant_method"], quant_config)
+    stored, w = pack(torch.randn(40, 64, generator=torch.Generator().manual_seed(11)) / 8)
+    layer = _loaded_layer(config, RowParallelLinear(64, 40, quant_config=config), {"o": stored})
+    assert not isinstance(layer.quant_method, GroupedInt8Method)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    want = x @ torch.from_numpy(w).float().T
+    bound = 1e-4 + x.abs() @ torch.ones(64, 1) * torch.from_numpy(np.abs(w).max(axis=1) / 127).float()
+    assert ((layer(x) - want).abs() <= bound).all()
+
+
+def test_compressed_int8_groups_keep_their_codes_and_zero_points() -> None:
+    """An asymmetric group-wise W8A16 layer holds the checkpoint's int8 codes, scales and zero
+    points as they are (no requantization)."""
+    from pagedllm.layers.cpu_gemm_kernels import unpack_int8
+
+    quant_config, pack, _ = FORMATS["ct-w8a16-group-asym"]
+    config = get_quantization_config("compressed-tensors", quant_config)
+    stored, _ = pack(torch.randn(32, 64, generator=torch.Generator().manual_seed(12)) / 8)
+    layer = _loaded_layer(config, RowParallelLinear(64, 32, quant_config=config), {"o": stored})
+    if not isinstance(layer.quant_method, GroupedInt8Method):
+        pytest.skip("the C++ kernels are not built here")
+    assert layer.quant_method.group_size == 16
+    assert torch.equal(unpack_int8(layer.weight), stored["weight"])

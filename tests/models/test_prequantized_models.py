@@ -70,18 +70,20 @@ def _hf(oracle: Path, seq: list[int]) -> tuple[torch.Tensor, list[tuple[list[int
 
 
 def _agree_until_a_near_tie(ours: list[int], theirs: list[int], logprobs: torch.Tensor) -> bool:
-    """True when the tokens are identical; a first difference must be transformers' runner-up
-    within NEAR_TIE of its best (then False: the continuations no longer compare)."""
+    """True when the tokens are identical; at a first difference the token taken must be within
+    NEAR_TIE of transformers' best (its runner-up, or a third as close: then False, the
+    continuations no longer compare)."""
     for step, (a, b) in enumerate(zip(theirs, ours)):
         if a != b:
-            top2 = logprobs[step].topk(2)
-            assert b == top2.indices[1].item(), f"step {step}: took {b}, not transformers' runner-up"
-            assert top2.values[0] - top2.values[1] < NEAR_TIE, f"step {step}: not a near-tie"
+            gap = float(logprobs[step].max() - logprobs[step][b])
+            assert gap < NEAR_TIE, f"step {step}: took {b}, {gap:.3f} below transformers' best: not a near-tie"
             return False
     return True
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "ct-w8a8", "ct-w8a16-packed", "bnb-int8", "bnb-nf4-nested"])
+@pytest.mark.parametrize(
+    "fmt", ["fp8-block", "ct-w8a8", "ct-w8a16-packed", "ct-w8a16-group-asym", "bnb-int8", "bnb-nf4-nested"]
+)
 def test_greedy_and_logits_match_transformers_on_the_dequantized_weights(fmt: str, quantized) -> None:
     from benchmarks.w8a8_accuracy import teacher_forced_logits
 

@@ -29,7 +29,7 @@ from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConf
 from pagedllm.layers.quantization.checkpoint import register
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize_table, pack_pairs, unpack_pairs
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel
-from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, PrequantizedInt8Method
+from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, requantize_per_channel
 from pagedllm.layers.sharding import ShardId
 
 # The 16 values of each 4-bit code (bitsandbytes' tables, float32 as it stores them).
@@ -266,13 +266,7 @@ class CodebookInt4Method(Int4KernelMethod):
         if self.finish_int4_table(layer, q, scale, self.table):
             return
         # No kernel takes the codes here: int8 per channel, as the other requantized formats.
-        q8, s8 = quantize_per_channel(dequantize_table(q, scale, self.table))
-        typed.weight = nn.Parameter(q8, requires_grad=False)
-        typed.weight_scale = s8
-        fallback = PrequantizedInt8Method(Int8LinearMethod())
-        fallback.params_dtype = self.params_dtype
-        typed.quant_method = fallback
-        fallback.process_weights_after_loading(layer)
+        requantize_per_channel(layer, dequantize_table(q, scale, self.table), self.params_dtype)
 
 
 class BitsAndBytes4bitConfig(BitsAndBytesConfig):

@@ -11,12 +11,14 @@ What loads, and on which CPU method:
 - ``int-quantized`` W8A8 (int8 weights, int8 dynamic per-token activations) -> w8a8; a static
   ``input_scale`` is dropped and the activations are quantized per token at run time instead.
 - ``naive-quantized`` / ``pack-quantized`` W8A16 (int8 weights, float activations) -> int8.
-- ``float-quantized`` FP8 (per channel, per tensor or 128x128 blocks) -> int8, requantized as
-  in ``fp8.py``; FP8 activation quantization does not happen on CPU.
+- ``float-quantized`` FP8 (per channel, per tensor or 128x128 blocks) -> int8 groups,
+  requantized as in ``fp8.py``; FP8 activation quantization does not happen on CPU.
 
 Symmetric int8 per channel loads exactly (its Q and scales are the kernel's; W8A8's kernel
-takes -128 as -127, see ``w8a8.py``); every other int8 scheme (groups, blocks, a zero point,
-which folds into the float weight) is dequantized per layer and requantized per output channel.
+takes -128 as -127, see ``w8a8.py``). Weight-only, every other int8 scheme (groups, blocks, the
+tensor's, a zero point) loads exactly too, as int8 groups (``GroupedInt8``:
+``prequantized.PrequantizedGroupedMethod``), and FP8 is requantized into int8 groups of 32; W8A8's
+other schemes are dequantized per layer and requantized per output channel (its op's form).
 Packed asymmetric int8 stores its zero points packed too, four per int32 along the output dim. 4-bit weights with float activations (W4A16
 ``pack-quantized``, group or channel, symmetric or with zero points) run on the int4 kernel
 instead (``compressed_int4.py``).
@@ -32,8 +34,15 @@ from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.quantization.checkpoint import register
 from pagedllm.layers.quantization.compressed_int4 import CompressedInt4Config
 from pagedllm.layers.quantization.fp8 import FP8_DTYPES
-from pagedllm.layers.quantization.int8 import Int8LinearMethod, PerChannelInt8Method, quantize_per_channel
-from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, expand_scale
+from pagedllm.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel
+from pagedllm.layers.quantization.prequantized import (
+    FLOAT_GROUP,
+    CheckpointScheme,
+    PrequantizedConfig,
+    expand_scale,
+    grouped_int8,
+    requantized_groups,
+)
 from pagedllm.layers.quantization.w8a8 import W8A8LinearMethod
 
 INT_FORMATS = ("int-quantized", "naive-quantized", "pack-quantized")
@@ -54,7 +63,9 @@ class CompressedScheme(CheckpointScheme):
     companions = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
     dropped = ("input_scale", "input_zero_point")
 
-    def __init__(self, weights: dict[str, Any]) -> None:
+    def __init__(self, weights: dict[str, Any], grouped: bool = False) -> None:
+        # grouped: hand the layers GroupedInt8 (weight-only schemes, PrequantizedGroupedMethod)
+        self.grouped = grouped
         self.num_bits, self.is_float = int(weights["num_bits"]), weights.get("type", "int") == "float"
         self.strategy, self.symmetric = weights.get("strategy", "tensor"), bool(weights.get("symmetric", True))
         # Checked by _check_weights: a positive int for "group", two ints for "block".
@@ -68,6 +79,15 @@ class CompressedScheme(CheckpointScheme):
         packed = "weight_packed" in parts and "weight_shape" in parts
         needed = "weight_scale" in parts and (self.symmetric or "weight_zero_point" in parts)
         return needed and ("weight" in parts or packed)
+
+    def group(self) -> int:
+        """The int8 groups' inputs of the grouped form: the scheme's group or block columns, 0 for
+        a whole row (channel, tensor), ``FLOAT_GROUP`` for FP8."""
+        if self.is_float:
+            return FLOAT_GROUP
+        if self.strategy == "group":
+            return int(self.group_size)
+        return int(self.block_structure[1]) if self.strategy == "block" else 0
 
     def block(self, shape: torch.Size) -> tuple[int, int]:
         """The scale's block (rows, cols) for a weight of ``shape`` under this strategy."""
@@ -87,13 +107,36 @@ class CompressedScheme(CheckpointScheme):
         scale = parts["weight_scale"]
         if self.exact(q, scale, parts):
             return q, scale.float().reshape(-1)
+        return quantize_per_channel(self.dequantized(prefix, parts, q))
+
+    def convert(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Weight-only schemes: int8 codes as they are, with their scales (and zero points) per row
+        and group (a block's for each of its rows; a channel's or the tensor's as one group of the
+        row); FP8 dequantized and requantized into int8 groups of ``FLOAT_GROUP``. Else ScaledInt8."""
+        if not self.grouped:
+            return super().convert(prefix, parts)
+        if "weight_g_idx" in parts:
+            raise ValueError(f"{prefix}.weight_g_idx: activation-ordered groups (actorder) are not supported")
+        q = self.codes(prefix, parts)
+        (n, k), (bn, bk) = q.shape, self.block(q.shape)
+        if self.is_float or k % bk:
+            return requantized_groups(prefix, self.dequantized(prefix, parts, q), FLOAT_GROUP)
         where = f"{prefix}.weight_scale"
+        scale = expand_scale(parts["weight_scale"], torch.Size((n, k // bk)), (bn, 1), where)
+        zero = None
+        if not self.symmetric:
+            name = f"{prefix}.weight_zero_point"
+            zero = expand_scale(self.zero_points(prefix, parts), torch.Size((n, k // bk)), (bn, 1), name)
+        return grouped_int8(q, scale, zero)
+
+    def dequantized(self, prefix: str, parts: dict[str, torch.Tensor], q: torch.Tensor) -> torch.Tensor:
+        """W [out, in] float32 from the codes, scales and zero points."""
         w = q.float()
         if not self.symmetric:
             w -= expand_scale(
                 self.zero_points(prefix, parts), q.shape, self.block(q.shape), f"{prefix}.weight_zero_point"
             )
-        return quantize_per_channel(w * expand_scale(scale, q.shape, self.block(q.shape), where))
+        return w * expand_scale(parts["weight_scale"], q.shape, self.block(q.shape), f"{prefix}.weight_scale")
 
     def exact(self, q: torch.Tensor, scale: torch.Tensor, parts: dict[str, torch.Tensor]) -> bool:
         """Symmetric int8 per channel: Q and the scales are already the kernel's."""
@@ -200,10 +243,13 @@ def parse_compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
         return CompressedInt4Config(_int4_group(weights), bool(weights.get("symmetric", True)))
     _check_weights(weights, fmt)
     if weights.get("type", "int") == "int" and activations is not None and activations.get("type", "int") == "int":
-        target: type[PerChannelInt8Method] = W8A8LinearMethod
-    else:
-        target = Int8LinearMethod  # weight-only, or FP8 activations (which stay float32 on CPU)
-    return CompressedTensorsConfig(CompressedScheme(weights), target)
+        return CompressedTensorsConfig(CompressedScheme(weights), W8A8LinearMethod)  # per channel: the W8A8 op's
+    # Weight-only (or FP8 activations, which stay float32 on CPU): symmetric int8 per channel as it is
+    # on the int8 op; every other scheme in int8 groups (its own codes exactly; FP8 requantized).
+    scheme = CompressedScheme(weights, grouped=True)
+    if not scheme.is_float and scheme.symmetric and scheme.strategy == "channel":
+        return CompressedTensorsConfig(CompressedScheme(weights), Int8LinearMethod)
+    return CompressedTensorsConfig(scheme, Int8LinearMethod, group=scheme.group(), zero=not scheme.symmetric)
 
 
 def _single_scheme(config: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any] | None, str]:

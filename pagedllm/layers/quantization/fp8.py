@@ -8,8 +8,9 @@ per-tensor ``weight_scale`` (the older vLLM layout, W = W_fp8 * scale). A static
 quantization does not happen and its scale has no use.
 
 This CPU has no FP8 GEMM, so each layer is dequantized to float32 at load and quantized again to
-int8 per output channel (``prequantized.py``); the model then runs the int8 weight-only kernel.
-That requantization costs accuracy against the exact FP8 weights (measured in docs/architecture.md).
+int8 groups of 32 inputs (``prequantized.requantized_groups``: Q8_0's rule, a scale per group);
+the model then runs the group-wise int8 kernel (per output channel on CUDA). That requantization
+costs accuracy against the exact FP8 weights (measured in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -21,7 +22,13 @@ import torch
 from pagedllm.layers.quantization.base import QuantizationConfig
 from pagedllm.layers.quantization.checkpoint import register
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel
-from pagedllm.layers.quantization.prequantized import CheckpointScheme, PrequantizedConfig, expand_scale
+from pagedllm.layers.quantization.prequantized import (
+    FLOAT_GROUP,
+    CheckpointScheme,
+    PrequantizedConfig,
+    expand_scale,
+    requantized_groups,
+)
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -52,18 +59,25 @@ class Fp8Scheme(CheckpointScheme):
         return "weight" in parts and any(name in parts for name in self.companions)
 
     def to_int8(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return quantize_per_channel(self.dequantized(prefix, parts))
+
+    def convert(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The layer requantized into int8 groups of ``FLOAT_GROUP`` inputs (``requantized_groups``)."""
+        return requantized_groups(prefix, self.dequantized(prefix, parts), FLOAT_GROUP)
+
+    def dequantized(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """W [out, in] float32: the FP8 codes times their block's (or the tensor's) scale."""
         if self.scale_name not in parts:
             other = next(name for name in self.companions if name in parts)
             raise ValueError(
                 f"{prefix}.{other} found but this checkpoint's quantization_config "
                 f"(weight_block_size={list(self.block) if self.block else None}) stores {self.scale_name}"
             )
-        w = dequantize_fp8(prefix, parts["weight"], parts[self.scale_name], self.scale_name, self.block)
-        return quantize_per_channel(w)
+        return dequantize_fp8(prefix, parts["weight"], parts[self.scale_name], self.scale_name, self.block)
 
 
 class Fp8Config(PrequantizedConfig):
-    """FP8 weights requantized to int8 per channel; the int8 weight-only kernel runs them."""
+    """FP8 weights requantized to int8 groups of 32; the group-wise int8 kernel runs them."""
 
     name = "fp8"
 
@@ -77,7 +91,7 @@ def parse_fp8(config: dict[str, Any]) -> QuantizationConfig:
         raise ValueError(
             f"config.json's fp8 quantization_config.activation_scheme must be dynamic or static, got {scheme!r}"
         )
-    return Fp8Config(Fp8Scheme(_block_size(config.get("weight_block_size"))), Int8LinearMethod)
+    return Fp8Config(Fp8Scheme(_block_size(config.get("weight_block_size"))), Int8LinearMethod, group=FLOAT_GROUP)
 
 
 def _block_size(value: Any) -> tuple[int, int] | None:

@@ -27,6 +27,7 @@ so loading peaks at about the quantized model plus one float tensor instead of t
 from __future__ import annotations
 
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from typing import cast
@@ -42,6 +43,7 @@ from pagedllm.layers.quantization.base import (
     set_weight_attrs,
 )
 from pagedllm.layers.quantization.int8 import Int8Layer, Int8LinearMethod, PerChannelInt8Method, quantize_per_channel
+from pagedllm.layers.quantization.int8_groups import GroupedInt8Method, can_store, dequantize_groups, quantize_groups
 from pagedllm.layers.quantization.unquantized import UnquantizedLinearMethod
 from pagedllm.layers.sharding import ShardId
 
@@ -76,10 +78,47 @@ def split_scaled(loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def dequantize_scaled(loaded: torch.Tensor) -> torch.Tensor:
-    """A float weight for a float parameter: a :class:`ScaledInt8` widened, anything else as is."""
+    """A float weight for a float parameter: a :class:`ScaledInt8` or :class:`GroupedInt8`
+    widened, anything else as is."""
     if isinstance(loaded, ScaledInt8):
         return loaded.as_subclass(torch.Tensor).float() * loaded.row_scale[:, None]
+    if isinstance(loaded, GroupedInt8):
+        return dequantize_groups(loaded.as_subclass(torch.Tensor), loaded.group_scale, loaded.group_zero)
     return loaded
+
+
+# The groups a float format (FP8) is requantized into: Q8_0's 32 inputs, a scale each.
+FLOAT_GROUP = 32
+
+
+def requantized_groups(prefix: str, w: torch.Tensor, group: int) -> torch.Tensor:
+    """A float layer's weight W [out, in] requantized into int8 groups of ``group`` inputs
+    (``quantize_groups``), or per channel (:class:`ScaledInt8`) when ``group`` does not divide its
+    inputs; ``prefix`` names the layer."""
+    if w.dim() != 2:
+        raise ValueError(f"{prefix}.weight is {tuple(w.shape)}; a linear weight is 2-D")
+    if w.shape[1] % group:
+        return scaled_int8(*quantize_per_channel(w))
+    return grouped_int8(*quantize_groups(w, group))
+
+
+class GroupedInt8(torch.Tensor):
+    """Q [out, in] int8 with ``group_scale`` (and ``group_zero``, or None) [out, in / G]: W = (Q -
+    z) * s per run of G inputs of a row. One converted checkpoint weight (an int8 scheme's own
+    codes, exactly, or a float format requantized into groups) on its way to a
+    :class:`PrequantizedGroupedMethod`'s loader."""
+
+    group_scale: torch.Tensor
+    group_zero: torch.Tensor | None
+
+
+def grouped_int8(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None) -> GroupedInt8:
+    if q.dtype != torch.int8 or q.dim() != 2 or scale.dim() != 2 or q.shape[1] % scale.shape[1]:
+        raise AssertionError(f"a grouped weight is int8 [out, in] with [out, in / G] scales, got {q.dtype} {q.shape}")
+    out = q.as_subclass(GroupedInt8)
+    out.group_scale = scale.float().contiguous()
+    out.group_zero = None if zero is None else zero.float().contiguous()
+    return out
 
 
 def expand_scale(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int], what: str) -> torch.Tensor:
@@ -220,6 +259,20 @@ class PrequantizedInt8Method(LinearMethodBase):
         raise RuntimeError("a pre-quantized layer runs only after its quant_method.process_weights_after_loading")
 
 
+def requantize_per_channel(layer: nn.Module, w: torch.Tensor, params_dtype: torch.dtype) -> None:
+    """A layer whose own kernel cannot take it (CUDA, out_features % 16, no build): its float
+    weight ``w`` quantized per output channel onto ``PrequantizedInt8Method``'s path (the int8
+    kernel where it runs, else ``params_dtype`` with a warning), which becomes its method."""
+    typed = cast(Int8Layer, layer)
+    q, scale = quantize_per_channel(w)
+    typed.weight = nn.Parameter(q, requires_grad=False)
+    typed.weight_scale = scale
+    method = PrequantizedInt8Method(Int8LinearMethod())
+    method.params_dtype = params_dtype
+    typed.quant_method = method
+    method.process_weights_after_loading(layer)
+
+
 class DequantizingHeadMethod(UnquantizedLinearMethod):
     """The float LM head of a pre-quantized model: a head the checkpoint quantized is widened."""
 
@@ -237,13 +290,101 @@ class DequantizingHeadMethod(UnquantizedLinearMethod):
         super().create_weights(layer, input_size, output_sizes, params_dtype, load)
 
 
-class PrequantizedConfig(QuantizationConfig):
-    """A pre-quantized checkpoint: its ``scheme`` converts the tensors, ``target`` runs them."""
+class PrequantizedGroupedMethod(LinearMethodBase):
+    """``weight`` [out, in] int8 with ``weight_scale`` (and, ``zero``, ``weight_zero``) [out, in / G]
+    float32 filled from the converted checkpoint (:class:`GroupedInt8`: each run of the
+    checkpoint's groups that a layer group divides takes its scale, so a tensor-parallel cut or a
+    whole-row group splits exactly; a :class:`ScaledInt8` is a group of the whole row; a float
+    weight, a layer the checkpoint left float, is quantized into groups of G), held after loading on
+    the group-wise int8 op (``int8_groups.GroupedInt8Method``), or, where that op cannot run (CUDA,
+    out_features % 16), dequantized and requantized per channel (:class:`PrequantizedInt8Method`).
+    ``group``: G, or 0 for one group per row (G = the layer's inputs)."""
 
-    def __init__(self, scheme: CheckpointScheme, target: type[PerChannelInt8Method]) -> None:
-        self.scheme, self.target = scheme, target
+    def __init__(self, group: int, zero: bool) -> None:
+        self.checkpoint_group, self.zero = group, zero
+        self.group = group
+        self.params_dtype = torch.float32
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_sizes: list[int],
+        params_dtype: torch.dtype,
+        weight_loader: WeightLoader,
+    ) -> None:
+        self.params_dtype = params_dtype
+        group = self.group = math.gcd(self.checkpoint_group or input_size, input_size)
+        out = sum(output_sizes)
+        weight = nn.Parameter(torch.empty(out, input_size, dtype=torch.int8), requires_grad=False)
+        for name in ("weight_scale", "weight_zero") if self.zero else ("weight_scale",):
+            per_group = torch.zeros(out, input_size // group, dtype=torch.float32)
+            set_weight_attrs(per_group, output_dim=0, input_dim=1)  # type: ignore[arg-type]  # a buffer, read by the loaders
+            layer.register_buffer(name, per_group, persistent=False)
+
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            q, scale, zero = self._groups(loaded)
+            weight_loader(param, q, shard_id)
+            weight_loader(layer.weight_scale, scale, shard_id)
+            if self.zero:
+                weight_loader(layer.weight_zero, torch.zeros_like(scale) if zero is None else zero, shard_id)
+
+        set_weight_attrs(weight, output_dim=0, input_dim=1, weight_loader=load)
+        layer.register_parameter("weight", weight)
+
+    def _groups(self, loaded: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(Q, scale, zero or None) of a loaded tensor in this layer's groups of ``self.group``."""
+        if isinstance(loaded, ScaledInt8):
+            loaded = grouped_int8(loaded.as_subclass(torch.Tensor), loaded.row_scale[:, None])
+        if isinstance(loaded, GroupedInt8):
+            run = loaded.shape[1] // loaded.group_scale.shape[1]
+            if run % self.group == 0:
+                repeat = run // self.group
+                zero = loaded.group_zero
+                return (
+                    loaded.as_subclass(torch.Tensor),
+                    loaded.group_scale.repeat_interleave(repeat, dim=1),
+                    None if zero is None else zero.repeat_interleave(repeat, dim=1),
+                )
+            loaded = dequantize_scaled(loaded)
+        if not loaded.is_floating_point():
+            raise ValueError(f"a {loaded.dtype} weight came without the scales that dequantize it")
+        q, scale = quantize_groups(loaded, self.group)
+        return q, scale, None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        typed = cast(Int8Layer, layer)
+        q, scale = typed.weight.data, typed.weight_scale
+        zero = cast(torch.Tensor, layer.weight_zero) if self.zero else None
+        if zero is not None and not bool(zero.any()):
+            zero = None  # symmetric after all
+        if can_store(q):
+            method = GroupedInt8Method()
+            method.store(layer, q, scale, zero)
+            typed.quant_method = method
+            return
+        # No group-wise op here: int8 per channel, as the other requantized formats.
+        if self.zero:
+            delattr(layer, "weight_zero")
+        requantize_per_channel(layer, dequantize_groups(q, scale, zero), self.params_dtype)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise RuntimeError("a pre-quantized layer runs only after its quant_method.process_weights_after_loading")
+
+
+class PrequantizedConfig(QuantizationConfig):
+    """A pre-quantized checkpoint: its ``scheme`` converts the tensors, ``target`` runs them; with
+    ``group`` (not None) the layers take the scheme's :class:`GroupedInt8` form instead, in groups of
+    ``group`` inputs (0: a row's), ``zero``: with zero points (``PrequantizedGroupedMethod``)."""
+
+    def __init__(
+        self, scheme: CheckpointScheme, target: type[PerChannelInt8Method], group: int | None = None, zero: bool = False
+    ) -> None:
+        self.scheme, self.target, self.group, self.zero = scheme, target, group, zero
 
     def get_linear_method(self) -> LinearMethodBase:
+        if self.group is not None:
+            return PrequantizedGroupedMethod(self.group, self.zero)
         return PrequantizedInt8Method(self.target())
 
     def get_lm_head_method(self) -> LinearMethodBase:
