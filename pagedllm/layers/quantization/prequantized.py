@@ -1,20 +1,26 @@
-"""Pre-quantized checkpoints on the int8 per-output-channel layers (``int8.py`` / ``w8a8.py``).
+"""Pre-quantized checkpoints on the int8 layers (``int8.py`` / ``w8a8.py`` per output channel,
+``int8_groups.py`` per group of inputs).
 
 A pre-quantized checkpoint (FP8, compressed-tensors, bitsandbytes) stores each linear weight in
-its own code (fp8 blocks, int8 groups, 4-bit nibbles) with its own scales. The kernels we have
-(C++ on CPU, Triton on CUDA; W8A8 on CPU only, weight-only int8 standing in for it on CUDA) take
-int8 weights with one float32 scale per output row, so each format is a
-:class:`CheckpointScheme` that reads one layer's tensors and hands back that form: exactly when the
-checkpoint already is int8 per channel (compressed-tensors W8A8/W8A16 channel-wise, bitsandbytes
-8-bit), otherwise by dequantizing that one layer to float32 and quantizing it per channel again
-(``quantize_per_channel``: an error of at most half a step of the row's max / 127 per weight).
+its own code (fp8 blocks, int8 groups, 4-bit nibbles) with its own scales. Each format is a
+:class:`CheckpointScheme` that reads one layer's tensors and hands back the form its layers take
+(``convert``):
+- a :class:`ScaledInt8` (int8 with one float32 scale per output row, for the per-channel int8 and
+  W8A8 ops; weight-only int8 stands in for W8A8 on CUDA): exactly when the checkpoint already is
+  int8 per channel (compressed-tensors W8A8/W8A16 channel-wise, bitsandbytes 8-bit), otherwise
+  by dequantizing that one layer to float32 and quantizing it per channel again
+  (``quantize_per_channel``: an error of at most half a step of the row's max / 127 per weight);
+- a :class:`GroupedInt8` (int8 with a scale, and a zero point, per row and group of inputs, for
+  the group-wise op): compressed-tensors' other weight-only int8 schemes exactly, FP8 requantized
+  into groups of 32 (``requantized_groups``), held by :class:`PrequantizedGroupedMethod`;
+- bitsandbytes' 4-bit codes (``bitsandbytes.CodedInt4``, on the int4 table op).
 
 :func:`convert_checkpoint` does that on the checkpoint's tensor stream, one layer at a time, so
-no float32 copy of the model ever exists: the layers' parameters are int8 from the start
-(:class:`PrequantizedInt8Method`) and each converted weight travels as a :class:`ScaledInt8`, an
-int8 tensor carrying its scales. A linear layer the checkpoint left in float (its ignore list) is
-quantized per channel on arrival, as ``--quantization int8`` would. The LM head stays float32
-(:class:`DequantizingHeadMethod` widens it, should a checkpoint have quantized it).
+no float32 copy of the model ever exists: the layers' parameters are integers from the start
+(:class:`PrequantizedInt8Method`, :class:`PrequantizedGroupedMethod`) and each converted weight
+travels as an int8 tensor carrying its scales. A linear layer the checkpoint left in float (its
+ignore list) is quantized on arrival in the layer's form, as ``--quantization int8`` would. The LM
+head stays float32 (:class:`DequantizingHeadMethod` widens it, should a checkpoint have quantized it).
 
 ``--quantization int8`` / ``w8a8`` / ``int4`` on a float checkpoint take the same road
 (:class:`QuantizeOnLoad`): each linear whose kernel takes its shape gets quantized parameters
