@@ -184,8 +184,12 @@ def quantize_to_table(w: torch.Tensor, group: int, table: torch.Tensor) -> tuple
     out, inputs = w.shape
     groups = w.float().reshape(out, inputs // group, group)
     scale = groups.abs().amax(dim=2).clamp(min=torch.finfo(torch.float32).tiny)
-    codes = (groups[..., None] / scale[..., None, None] - table.to(w.device)).abs().argmin(dim=-1)
-    return codes.reshape(out, inputs).to(torch.uint8), scale
+    codes = torch.empty(out, inputs // group, group, dtype=torch.uint8, device=w.device)
+    values = table.to(w.device)
+    for start in range(0, out, 256):  # the distances to the 16 values, 256 rows at a time
+        rows = slice(start, start + 256)
+        codes[rows] = (groups[rows, ..., None] / scale[rows, :, None, None] - values).abs().argmin(dim=-1)
+    return codes.reshape(out, inputs), scale
 
 
 class _CodedLayer(Protocol):
