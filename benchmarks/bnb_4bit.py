@@ -107,7 +107,7 @@ def weight_bytes(engine: Any) -> int:
     model = engine.engine_core.executor.worker.model_runner.model
     total = 0
     for name, module in model.named_modules():
-        if name.endswith(tuple(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))):
+        if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")):
             total += sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
     return total
 

@@ -60,6 +60,16 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
         setattr(param, key, value)
 
 
+def add_group_buffers(layer: nn.Module, names: tuple[str, ...], rows: int, groups: int) -> None:
+    """Float32 [rows, groups] buffers (zeros) that the checkpoint fills through the layer's loaders
+    as it would a weight's columns (``output_dim`` 0, ``input_dim`` 1): a quantized layer's
+    per-group scales and zero points while it loads."""
+    for name in names:
+        per_group = torch.zeros(rows, groups, dtype=torch.float32)
+        set_weight_attrs(per_group, output_dim=0, input_dim=1)  # type: ignore[arg-type]  # a buffer, read by the loaders
+        layer.register_buffer(name, per_group, persistent=False)
+
+
 class QuantizesOnLoad(LinearMethodBase):
     """A method that quantizes a float weight (int8, w8a8, int4) and can do it as a checkpoint's
     tensors stream in, so no float copy of the layer is ever allocated (``prequantized.QuantizeOnLoad``)."""

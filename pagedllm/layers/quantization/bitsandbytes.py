@@ -25,7 +25,13 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from pagedllm.layers.quantization.base import LinearMethodBase, QuantizationConfig, WeightLoader, set_weight_attrs
+from pagedllm.layers.quantization.base import (
+    LinearMethodBase,
+    QuantizationConfig,
+    WeightLoader,
+    add_group_buffers,
+    set_weight_attrs,
+)
 from pagedllm.layers.quantization.checkpoint import register
 from pagedllm.layers.quantization.int4 import Int4KernelMethod, dequantize_table, pack_pairs, unpack_pairs
 from pagedllm.layers.quantization.int8 import Int8LinearMethod, quantize_per_channel
@@ -227,9 +233,7 @@ class CodebookInt4Method(Int4KernelMethod):
         self.params_dtype = params_dtype
         out = sum(output_sizes)
         weight = nn.Parameter(torch.empty(out, input_size // 2, dtype=torch.uint8), requires_grad=False)
-        scale = torch.empty(out, input_size // group, dtype=torch.float32)
-        set_weight_attrs(scale, output_dim=0, input_dim=1)  # type: ignore[arg-type]  # a buffer, read by the loaders
-        layer.register_buffer("weight_scale", scale, persistent=False)
+        add_group_buffers(layer, ("weight_scale",), out, input_size // group)
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
             pairs, group_scale = self._codes(loaded)

@@ -63,11 +63,13 @@ class CompressedScheme(CheckpointScheme):
     companions = ("weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
     dropped = ("input_scale", "input_zero_point")
 
-    def __init__(self, weights: dict[str, Any], grouped: bool = False) -> None:
-        # grouped: hand the layers GroupedInt8 (weight-only schemes, PrequantizedGroupedMethod)
-        self.grouped = grouped
+    def __init__(self, weights: dict[str, Any], int8_activations: bool = False) -> None:
         self.num_bits, self.is_float = int(weights["num_bits"]), weights.get("type", "int") == "float"
         self.strategy, self.symmetric = weights.get("strategy", "tensor"), bool(weights.get("symmetric", True))
+        # The layers take GroupedInt8 (PrequantizedGroupedMethod) unless the scheme's form is the
+        # per-channel ops' own: W8A8 (its op is per channel), or symmetric int8 per channel.
+        channel_int8 = not self.is_float and self.symmetric and self.strategy == "channel"
+        self.grouped = not int8_activations and not channel_int8
         # Checked by _check_weights: a positive int for "group", two ints for "block".
         self.group_size: int = weights.get("group_size") or 0
         self.block_structure: list[int] = weights.get("block_structure") or []
@@ -101,8 +103,6 @@ class CompressedScheme(CheckpointScheme):
         return n, k
 
     def to_int8(self, prefix: str, parts: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        if "weight_g_idx" in parts:
-            raise ValueError(f"{prefix}.weight_g_idx: activation-ordered groups (actorder) are not supported")
         q = self.codes(prefix, parts)
         scale = parts["weight_scale"]
         if self.exact(q, scale, parts):
@@ -115,8 +115,6 @@ class CompressedScheme(CheckpointScheme):
         row); FP8 dequantized and requantized into int8 groups of ``FLOAT_GROUP``. Else ScaledInt8."""
         if not self.grouped:
             return super().convert(prefix, parts)
-        if "weight_g_idx" in parts:
-            raise ValueError(f"{prefix}.weight_g_idx: activation-ordered groups (actorder) are not supported")
         q = self.codes(prefix, parts)
         (n, k), (bn, bk) = q.shape, self.block(q.shape)
         if self.is_float or k % bk:
@@ -154,6 +152,8 @@ class CompressedScheme(CheckpointScheme):
 
     def codes(self, prefix: str, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """Q [out, in]: int8 (unpacked when packed) or float8."""
+        if "weight_g_idx" in parts:
+            raise ValueError(f"{prefix}.weight_g_idx: activation-ordered groups (actorder) are not supported")
         if "weight" in parts:
             q = parts["weight"]
             want = FP8_DTYPES if self.is_float else (torch.int8,)
@@ -243,12 +243,12 @@ def parse_compressed_tensors(config: dict[str, Any]) -> QuantizationConfig:
         return CompressedInt4Config(_int4_group(weights), bool(weights.get("symmetric", True)))
     _check_weights(weights, fmt)
     if weights.get("type", "int") == "int" and activations is not None and activations.get("type", "int") == "int":
-        return CompressedTensorsConfig(CompressedScheme(weights), W8A8LinearMethod)  # per channel: the W8A8 op's
+        return CompressedTensorsConfig(CompressedScheme(weights, int8_activations=True), W8A8LinearMethod)
     # Weight-only (or FP8 activations, which stay float32 on CPU): symmetric int8 per channel as it is
     # on the int8 op; every other scheme in int8 groups (its own codes exactly; FP8 requantized).
-    scheme = CompressedScheme(weights, grouped=True)
-    if not scheme.is_float and scheme.symmetric and scheme.strategy == "channel":
-        return CompressedTensorsConfig(CompressedScheme(weights), Int8LinearMethod)
+    scheme = CompressedScheme(weights)
+    if not scheme.grouped:
+        return CompressedTensorsConfig(scheme, Int8LinearMethod)
     return CompressedTensorsConfig(scheme, Int8LinearMethod, group=scheme.group(), zero=not scheme.symmetric)
 
 

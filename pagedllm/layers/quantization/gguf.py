@@ -116,7 +116,7 @@ def blocks_to_int8(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray,
         blocks = np.ascontiguousarray(raw).reshape(-1, 84)
         d, dmin = _f16(blocks[:, 80:82]), _f16(blocks[:, 82:84])
         sc = (blocks[:, 0:16] & 15).astype(np.float32)
-        q2 = (blocks[:, 16:80].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+        q2 = _crumbs(blocks[:, 16:80], 32)
         scale, offset = d[:, None] * sc, dmin[:, None] * (blocks[:, 0:16] >> 4).astype(np.float32)
         q, scale, zero, _ = _zero_points(q2.reshape(-1, INT8_GROUP), scale.reshape(-1), offset.reshape(-1))
         return q.astype(np.int8).reshape(rows, -1), scale.reshape(rows, -1), zero.reshape(rows, -1)
@@ -173,8 +173,7 @@ def _q6_k_values(blocks: np.ndarray) -> np.ndarray:
     nibbles of 64 bytes then their high nibbles, each with 2 bits of a 32-byte run (bits 0-1 for
     the first 32 values, 2-3, 4-5, 6-7 for the next)."""
     low = _nibbles(blocks[:, 0:128], 64)
-    high = (blocks[:, 128:192].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
-    return low | (high.reshape(-1, 256) << np.uint8(4))
+    return low | (_crumbs(blocks[:, 128:192], 32) << np.uint8(4))
 
 
 def _q3_k_values(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -182,12 +181,9 @@ def _q3_k_values(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     half of 128, 2 bits of a 32-byte run at shifts 0, 2, 4, 6, with a high bit from the 32-byte
     mask (bit j for the j-th run of 32) that, clear, subtracts 4; the 6-bit scales as 12 bytes
     (low nibbles of bytes 0-7, then 2 bits each from bytes 8-11)."""
-    low = (blocks[:, 32:96].reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
     high = (blocks[:, 0:32].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
-    q = low.reshape(-1, 256).astype(np.int8) - ((high.reshape(-1, 256) ^ 1) << 2).astype(np.int8)
-    lscales = (blocks[:, 96:104].reshape(-1, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)) & 15
-    hscales = (blocks[:, 104:108].reshape(-1, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
-    sc = lscales.reshape(-1, 16) | (hscales.reshape(-1, 16) << np.uint8(4))
+    q = _crumbs(blocks[:, 32:96], 32).astype(np.int8) - ((high.reshape(-1, 256) ^ 1) << 2).astype(np.int8)
+    sc = _nibbles(blocks[:, 96:104], 8) | (_crumbs(blocks[:, 104:108], 4) << np.uint8(4))
     return q, sc.astype(np.int8) - np.int8(32)
 
 
@@ -207,6 +203,13 @@ def _q5_k_values(qh: np.ndarray, qs: np.ndarray) -> np.ndarray:
 
 def _f16(two_bytes: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(two_bytes).view(np.float16).astype(np.float32).reshape(-1)
+
+
+def _crumbs(packed: np.ndarray, run: int) -> np.ndarray:
+    """Bytes [B, n] -> 2-bit values [B, 4 n]: each run of ``run`` bytes gives its bits 0-1, then
+    2-3, 4-5 and 6-7 (the K-quants' low bits)."""
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((packed.reshape(packed.shape[0], -1, 1, run) >> shifts) & np.uint8(3)).reshape(packed.shape[0], -1)
 
 
 def _nibbles(packed: np.ndarray, run: int) -> np.ndarray:
@@ -241,11 +244,6 @@ def _zero_points(
 @lru_cache(maxsize=1)
 def _warn_iq4_float_activations() -> None:  # once a process, not once a linear
     logger.warning("w4a8: the GGUF file's IQ4_NL / IQ4_XS linears run their code table with float activations")
-
-
-def _pair(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    first, second = tensors
-    return first, second
 
 
 def _lazy_param(
@@ -335,10 +333,12 @@ class GGUFLinearMethod(Int4KernelMethod):
             q, scale, zero, offset = forms["q4"]
             self.finish_int4(layer, q, scale, zero, None, offset=offset)
             return
-        if not self.float_parts and set(forms) == {"iq4"} and self.finish_int4_table(layer, *_pair(forms["iq4"]), _IQ4):
-            if self.int8_activations:
-                _warn_iq4_float_activations()
-            return
+        if not self.float_parts and set(forms) == {"iq4"}:
+            codes, scale = forms["iq4"]
+            if self.finish_int4_table(layer, codes, scale, _IQ4):
+                if self.int8_activations:
+                    _warn_iq4_float_activations()
+                return
         method: LinearMethodBase
         if forms and not self.float_parts and int8_groups.can_store(next(iter(forms.values()))[0]):
             method = int8_groups.GroupedInt8Method()

@@ -47,6 +47,7 @@ from pagedllm.layers.quantization.base import (
     QuantizationConfig,
     QuantizesOnLoad,
     WeightLoader,
+    add_group_buffers,
     create_dense_weight,
     set_weight_attrs,
 )
@@ -338,10 +339,7 @@ class Int4OnLoadMethod(LinearMethodBase):
         group = self.target.group_size = choose_group_size(input_size, self.target.preferred_group)
         out = sum(output_sizes)
         weight = nn.Parameter(torch.empty(out, input_size // 2, dtype=torch.uint8), requires_grad=False)
-        for name in ("weight_scale", "weight_zero"):
-            per_group = torch.empty(out, input_size // group, dtype=torch.float32)
-            set_weight_attrs(per_group, output_dim=0, input_dim=1)  # type: ignore[arg-type]  # a buffer, read by the loaders
-            layer.register_buffer(name, per_group, persistent=False)
+        add_group_buffers(layer, ("weight_scale", "weight_zero"), out, input_size // group)
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
             q, scale, zero = quantize_groupwise(loaded, group)

@@ -46,6 +46,7 @@ from pagedllm.layers.quantization.base import (
     QuantizationConfig,
     QuantizesOnLoad,
     WeightLoader,
+    add_group_buffers,
     set_weight_attrs,
 )
 from pagedllm.layers.quantization.int8 import Int8Layer, Int8LinearMethod, PerChannelInt8Method, quantize_per_channel
@@ -323,10 +324,9 @@ class PrequantizedGroupedMethod(LinearMethodBase):
         group = self.group = math.gcd(self.checkpoint_group or input_size, input_size)
         out = sum(output_sizes)
         weight = nn.Parameter(torch.empty(out, input_size, dtype=torch.int8), requires_grad=False)
-        for name in ("weight_scale", "weight_zero") if self.zero else ("weight_scale",):
-            per_group = torch.zeros(out, input_size // group, dtype=torch.float32)
-            set_weight_attrs(per_group, output_dim=0, input_dim=1)  # type: ignore[arg-type]  # a buffer, read by the loaders
-            layer.register_buffer(name, per_group, persistent=False)
+        add_group_buffers(
+            layer, ("weight_scale", "weight_zero") if self.zero else ("weight_scale",), out, input_size // group
+        )
 
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
             q, scale, zero = self._groups(loaded)
